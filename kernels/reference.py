@@ -1,0 +1,151 @@
+"""Pure-torch references of every kernel, with the same signatures as the Triton versions.
+
+They are the CPU backend of the engine (so they must be vectorised, not merely correct) and the
+oracle the Triton kernels are tested against. Shapes follow DESIGN.md's kernel contract:
+``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v ``[num_tokens, num_kv_heads, head_dim]`` into their slots; negative slots are skipped."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first ``context_len`` cached vectors of one sequence: ``[context_len, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence against its whole cached context. q ``[num_seqs, num_heads, head_dim]``."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long()
+    # [num_seqs, max_len, num_kv_heads, head_dim]: the padded context of every sequence at once.
+    keys = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    values = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    compute_dtype = torch.float32
+    qg = q.to(compute_dtype).view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.to(compute_dtype)) * scale
+    positions = torch.arange(max_len, device=q.device)
+    pad = positions[None, :] >= context_lens[:, None].to(q.device)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.to(compute_dtype))
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed variable-length queries, each attending causally to its whole cached context.
+
+    Query ``i`` of a sequence sits at absolute position ``context_len - q_len + i``, so earlier chunks
+    and prefix-cache hits are attended to from the cache like any other token.
+    """
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for seq, context_len in enumerate(lens):
+        start, end = starts[seq], starts[seq + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[seq], context_len)
+        values = _gather_context(v_cache, block_tables[seq], context_len)
+        out[start:end] = _causal_attention(q[start:end], keys, values, scale, group)
+    return out
+
+
+def _causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, group: int
+) -> torch.Tensor:
+    """q ``[q_len, H, D]`` at the last q_len positions of a context ``[ctx, Hkv, D]``."""
+    q_len, context_len = q.shape[0], keys.shape[0]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+    key_pos = torch.arange(context_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+        attn_mask=mask, scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(rms_norm(x + residual), x + residual)``: the normed input and the new residual."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding, as Llama checkpoints in HF format expect.
+
+    q ``[num_tokens, num_heads, head_dim]``, k ``[num_tokens, num_kv_heads, head_dim]``,
+    ``cos_sin_cache`` ``[max_position, head_dim]``: cos in the first half, sin in the second.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,38 @@
+"""pagedserve: a paged-attention LLM engine, a KV-cache-aware router and a Kubernetes operator.
+
+The engine's names are exported lazily so that `import pagedserve.router` (slim image, no torch)
+never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "pagedserve.server.llm",
+    "SamplingParams": "pagedserve.server.sampling_params",
+    "RequestOutput": "pagedserve.server.engine.output",
+    "CompletionOutput": "pagedserve.server.engine.output",
+    "EngineConfig": "pagedserve.server.config",
+    "default_model": "pagedserve.server.loader.default_model",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from pagedserve.server.config import EngineConfig
+    from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+    from pagedserve.server.llm import LLM
+    from pagedserve.server.loader.default_model import default_model
+    from pagedserve.server.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

@@ -1,0 +1,53 @@
+"""`pagedserve` command line: one entry point, each subcommand defined beside the code it runs.
+
+Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int | None`` and keeps its
+top-level imports light, so `pagedserve router --help` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Nested groups (bench) map to their own table.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pagedserve.server.api.cli", "run the OpenAI-compatible engine server"),
+    "generate": ("pagedserve.server.cli_generate", "generate text offline for one or more prompts"),
+    "router": ("pagedserve.router.cli", "run the KV-cache-aware router in front of engine replicas"),
+    "operator": ("pagedserve.operator.main", "run the Kubernetes operator for ModelDeployments"),
+}
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "throughput": ("pagedserve.benchmark.throughput", "offline engine throughput, optionally against HF"),
+    "serve": ("pagedserve.benchmark.serve", "serving benchmark against an OpenAI-compatible endpoint"),
+    "plot": ("pagedserve.benchmark.plot", "plot results of `bench serve`"),
+}
+
+
+def _add_group(subparsers: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) -> None:
+    for name, (module_name, help_text) in table.items():
+        parser = subparsers.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(parser)
+        parser.set_defaults(_run=module.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve import __version__
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on Kubernetes")
+    parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_group(commands, COMMANDS)
+    bench = commands.add_parser("bench", help="benchmarks", description="benchmarks")
+    _add_group(bench.add_subparsers(dest="bench_command", required=True), BENCH_COMMANDS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
