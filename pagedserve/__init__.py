@@ -19,7 +19,15 @@ _LAZY = {
     "default_model": "pagedserve.server.loader.default_model",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+    "default_model",
+]
 
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig

@@ -1,0 +1,76 @@
+"""Engine configuration, validated in one place so every entry point (LLM, CLI, server) agrees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in fp32
+CPU_DEFAULT_BATCHED_TOKENS = 2048
+GPU_DEFAULT_BATCHED_TOKENS = 8192
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # fp32 on CPU: the embedded model's dequantized weights are exact only in fp32.
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        on_gpu = self.torch_device.type == "cuda"
+        return GPU_DEFAULT_BATCHED_TOKENS if on_gpu else CPU_DEFAULT_BATCHED_TOKENS

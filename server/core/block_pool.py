@@ -1,0 +1,82 @@
+"""Fixed-size KV blocks with reference counts, and the prefix cache's hash -> block map.
+
+A block whose ref count drops to zero joins the free queue but keeps its hash, so a later request with
+the same prefix can take it back; blocks are reused from the front of the queue (least recently freed),
+which is what makes eviction LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody references: truly empty ones and evictable cached ones."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[Block]:
+        if count > len(self.free_queue):
+            raise RuntimeError(f"asked for {count} blocks, {len(self.free_queue)} free")
+        taken = []
+        for _ in range(count):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the eviction queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference from each; callers pass tail blocks first so they are evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        if block.block_hash is not None or block_hash in self.cached:
+            return  # already findable, or an identical block already is: keep the first
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            self._evict(block)
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None

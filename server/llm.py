@@ -1,0 +1,94 @@
+"""Offline API with vLLM's names: ``LLM(model).generate(prompts, sampling_params)`` and ``.chat``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.server.config import EngineConfig
+from pagedserve.server.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.server.engine.output import RequestOutput
+from pagedserve.server.sampling_params import SamplingParams
+from tqdm.auto import tqdm
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """All prompts are queued at once and run to completion with continuous batching.
+
+        Returns one RequestOutput per prompt, in input order. Raises ValueError (naming the field) for
+        an invalid prompt or parameter before anything runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("sampling_params must be one per prompt")
+        parents = [
+            self.engine.process_inputs(str(next(self._ids)), prompt, params)
+            for prompt, params in zip(prompt_list, params_list, strict=False)
+        ]
+        for parent in parents:
+            self.engine.add(parent)
+        return self._run([p.request_id for p in parents], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            token_ids = self.engine.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+            )
+            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # a single prompt given as token ids
+    return list(prompts)

@@ -1,0 +1,75 @@
+"""Per-request sampling parameters with vLLM's field names, defaults and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n", f"must be at least 1, got {self.n}"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero"),
+            (self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, "top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be less than or equal to max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters held back from streamed text so a stop string is never half-emitted."""
+        if not self.stop_strings or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop_strings) - 1

@@ -1,0 +1,127 @@
+"""Flattens one scheduled step into a single token batch and runs the model over the paged KV cache.
+
+Decodes (one new token each) come first, then prefill chunks, as ``AttentionMetadata`` expects. Only
+requests whose chunk reaches their last known token are sampled; a partial prompt chunk just fills
+its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pagedserve.server.core.scheduler import ScheduledRequest
+from pagedserve.server.layers.attention import AttentionMetadata, select_backend
+from pagedserve.server.request import Request
+from pagedserve.server.worker.sampler import SampledToken, sample
+from torch import nn
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
+    sampled_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        kernels = select_backend(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: the CPU decode reference multiplies padded positions by zero weights,
+        # and 0 * NaN from uninitialised memory would poison the sum.
+        self.kv_caches = []
+        for layer in model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.kernels = kernels
+            self.kv_caches.append((layer.k_cache, layer.v_cache))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
+    ) -> list[tuple[Request, SampledToken]]:
+        inputs = self.prepare(scheduled, block_ids)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sampled_requests:
+            return []
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+        return list(zip(inputs.sampled_requests, sample(logits, inputs.sampled_requests), strict=False))
+
+    def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        token_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        context_lens: list[int] = []
+        sample_indices: list[int] = []
+        sampled: list[Request] = []
+        for row, item in enumerate(ordered):
+            request, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            rows.extend([row] * item.num_new_tokens)
+            context_lens.append(end)
+            if item.completes_sequence:
+                sample_indices.append(len(token_ids) - 1)
+                sampled.append(request)
+        tables = _pad_block_tables([block_ids[s.request.request_id] for s in ordered])
+        position_t = torch.tensor(positions, dtype=torch.long)
+        row_t = torch.tensor(rows, dtype=torch.long)
+        block_of_token = tables[row_t, position_t // self.block_size].long()
+        slot_mapping = block_of_token * self.block_size + position_t % self.block_size
+        num_decodes = len(decodes)
+        prefill_lens = [s.num_new_tokens for s in prefills]
+        cu_seqlens = torch.tensor([0, *prefill_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        lens_t = torch.tensor(context_lens, dtype=torch.int32)
+        to = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to(slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=to(tables[:num_decodes]),
+            decode_context_lens=to(lens_t[:num_decodes]),
+            prefill_block_tables=to(tables[num_decodes:]),
+            prefill_cu_seqlens_q=to(cu_seqlens),
+            prefill_context_lens=to(lens_t[num_decodes:]),
+        )
+        return StepInputs(
+            input_ids=to(torch.tensor(token_ids, dtype=torch.long)),
+            positions=to(position_t),
+            meta=meta,
+            sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
+            sampled_requests=sampled,
+        )
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width)
