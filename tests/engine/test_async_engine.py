@@ -1,0 +1,68 @@
+"""The asyncio front: concurrent streams, abort when the consumer leaves, bad requests isolated."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from pagedserve.server.engine.async_engine import AsyncEngine
+
+from pagedserve import EngineConfig, SamplingParams, default_model
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(EngineConfig(model=str(default_model())))
+    await engine.start()
+    yield engine
+    await engine.shutdown(grace_seconds=0)
+
+
+async def collect(engine: AsyncEngine, prompt: str, request_id: str, **params: object) -> str:
+    final = None
+    async for output in engine.generate(prompt, SamplingParams(**params), request_id):  # type: ignore[arg-type]
+        final = output
+    assert final is not None and final.finished
+    return final.outputs[0].text
+
+
+async def wait_idle(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+async def test_concurrent_streams_match_sequential(engine: AsyncEngine) -> None:
+    prompts = [f"Write a list of {i} fruits:" for i in range(2, 8)]
+    sequential = [await collect(engine, p, f"seq-{i}", temperature=0.0, max_tokens=12)
+                  for i, p in enumerate(prompts)]
+    concurrent = await asyncio.gather(*[
+        collect(engine, p, f"con-{i}", temperature=0.0, max_tokens=12) for i, p in enumerate(prompts)
+    ])
+    assert list(concurrent) == sequential
+    await wait_idle(engine)
+
+
+async def test_consumer_leaving_aborts_request(engine: AsyncEngine) -> None:
+    stream = engine.generate("Count from one to a thousand:", SamplingParams(max_tokens=500, ignore_eos=True),
+                             "leaver")
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    await stream.aclose()
+    await wait_idle(engine)
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+async def test_bad_request_fails_alone(engine: AsyncEngine) -> None:
+    good = asyncio.create_task(collect(engine, "Tell me a story.", "good", max_tokens=16, temperature=0.0))
+    with pytest.raises(ValueError, match="max_model_len"):
+        await collect(engine, "hello " * 20, "bad", max_tokens=10**6)
+    assert await good
+    assert engine.is_healthy()
