@@ -1,0 +1,170 @@
+"""The FastAPI application: vLLM's OpenAI-compatible endpoints in front of one AsyncEngine.
+
+``build_app(engine, settings)`` wires the routes, OpenAI-shaped errors, bearer auth on /v1/*, the access
+log and a Prometheus registry of its own; its lifespan starts the engine thread and, on shutdown, lets
+in-flight requests finish within the grace period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from pagedserve.server.api.access_log import AccessLogMiddleware
+from pagedserve.server.api.auth import APIKeyMiddleware
+from pagedserve.server.api.errors import APIError, error_response, install_error_handlers
+from pagedserve.server.api.metrics import ServerMetrics
+from pagedserve.server.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedserve.server.api.serving_chat import OpenAIServingChat
+from pagedserve.server.api.serving_completion import OpenAIServingCompletion
+from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from pagedserve import __version__
+
+if TYPE_CHECKING:
+    from pagedserve.server.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] | None = None  # default: the engine's served_model_name
+    api_key: str | None = None  # bearer token required on /v1/*
+    access_log: bool = True
+    shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+def _streamed(model: type, stream_model: type) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "model": model,
+            "description": f"JSON, or with stream=true server-sent events, each a "
+            f"`data: <{stream_model.__name__}>` line, ending with `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    model_names = settings.served_model_names or [engine.config.served_model_name]
+    metrics = ServerMetrics(engine, model_names[0], engine.config.max_model_len)
+    chat = OpenAIServingChat(engine, model_names, metrics)
+    completion = OpenAIServingCompletion(engine, model_names, metrics)
+    tokenization = OpenAIServingTokenization(engine, model_names, metrics)
+    auth_errors = (401,) if settings.api_key else ()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown(settings.shutdown_grace_seconds)
+
+    app = FastAPI(
+        title="pagedserve",
+        version=__version__,
+        description="OpenAI-compatible LLM server (vLLM's endpoints, sampling parameters and metrics).",
+        lifespan=lifespan,
+    )
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    @app.get("/health", responses=_errors(503))
+    async def health() -> Response:
+        if engine.is_healthy():
+            return Response(status_code=200)
+        return error_response("The engine is not running.", 503)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    root = str(getattr(getattr(engine, "engine", None), "model_path", None) or engine.config.model or "")
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name,
+            root=root or name,
+            max_model_len=engine.config.max_model_len,
+            permission=[ModelPermission(id=f"modelperm-{name}")],
+        )
+
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(*auth_errors))
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(*auth_errors, 404))
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in model_names:
+            raise APIError(
+                f"The model `{model_id}` does not exist.", 404, param="model", code="model_not_found"
+            )
+        return model_card(model_id)
+
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={
+            **_streamed(CompletionResponse, CompletionStreamResponse),
+            **_errors(400, *auth_errors, 404, 500, 503),
+        },
+    )
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create_completion(request, raw_request)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            **_streamed(ChatCompletionResponse, ChatCompletionStreamResponse),
+            **_errors(400, *auth_errors, 404, 500, 503),
+        },
+    )
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404))
+    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await tokenization.create_tokenize(request)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.create_detokenize(request)
+
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_keys=[settings.api_key])
+    if settings.access_log:
+        app.add_middleware(AccessLogMiddleware)  # outermost: it logs the 401s too
+    return app

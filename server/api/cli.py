@@ -1,0 +1,183 @@
+"""`pagedserve serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names.
+
+The model loads before the port opens, so /health answers only once the server can serve. SIGTERM (or
+Ctrl-C) stops accepting connections, lets in-flight requests finish within --shutdown-grace-period,
+then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def human_bytes(value: str) -> int:
+    """`1073741824`, `1G`, `1GiB`, `512M`: decimal units for K/M/G/T, binary with an `i`."""
+    match = _SIZE.match(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {value!r}")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--model", default=None, help="same as MODEL")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) the API accepts; the first is reported (default: MODEL)",
+    )
+    server = parser.add_argument_group("HTTP server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
+        "--api-key", default=None, help=f"bearer token required on /v1/* (default: ${API_KEY_ENV})"
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        "--disable-access-log",
+        dest="disable_access_log",
+        action="store_true",
+        help="no access-log line per request",
+    )
+    server.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may take to finish",
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument(
+        "--kv-cache-memory-bytes",
+        type=human_bytes,
+        default=None,
+        help="KV cache budget in bytes (e.g. 2G, 512MiB)",
+    )
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
+    from pagedserve.server.config import EngineConfig
+
+    names = args.served_model_name
+    return EngineConfig(
+        model=args.model_tag or args.model,
+        tokenizer=args.tokenizer,
+        served_model_name=names[0] if names else None,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def configure_logging(level: str) -> None:
+    numeric = logging.DEBUG if level in ("debug", "trace") else logging.INFO
+    logging.basicConfig(
+        level=numeric,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.uvicorn_log_level)
+    log = logging.getLogger("pagedserve.api")
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        log.error("invalid engine configuration: %s", exc)
+        return 2
+
+    import uvicorn
+    from pagedserve.server.api.app import ServerSettings, build_app
+    from pagedserve.server.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(config)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        access_log=not args.disable_access_log,
+        shutdown_grace_seconds=args.shutdown_grace_period,
+    )
+    app = build_app(engine, settings)
+    server = _graceful_server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_config=None,
+            log_level=args.uvicorn_log_level,
+            access_log=False,  # our own access log, one structured line per request
+            timeout_graceful_shutdown=max(1, round(args.shutdown_grace_period)),
+        )
+    )
+    log.info(
+        "serving %s on http://%s:%d",
+        ", ".join(settings.served_model_names or [config.served_model_name]),
+        args.host,
+        args.port,
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+def _graceful_server(config):  # -> uvicorn.Server
+    """A uvicorn.Server whose SIGTERM or Ctrl-C ends in exit code 0.
+
+    uvicorn drains connections on those signals, then re-raises the signal once done so that the process
+    dies of it; a server asked to stop has stopped cleanly, so the re-raise is dropped.
+    """
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return GracefulServer(config)

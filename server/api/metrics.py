@@ -1,0 +1,314 @@
+"""Prometheus metrics with vLLM's names, buckets and labels, one CollectorRegistry per app.
+
+Engine state (running/waiting requests, KV usage, prefix-cache and token counters) is read from
+``engine.stats()`` at scrape time by a custom collector, so the engine step pays nothing for it.
+Per-request histograms are observed by the serving layer as each request's outputs arrive
+(``RequestTracker``). The periodic engine log line is the engine's own (AsyncEngine's step thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LABELS = ["model_name", "engine"]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineStatsCollector:
+    """Gauges and counters of the engine, read from one ``engine.stats()`` snapshot per scrape."""
+
+    def __init__(self, engine: Any, label_values: list[str], cache_info: dict[str, str]) -> None:
+        self.engine = engine
+        self.label_values = label_values
+        self.cache_info = cache_info
+
+    def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
+        family = kind(name, doc, labels=LABELS)
+        family.add_metric(self.label_values, value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(
+            g, "vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running
+        )
+        yield self._family(
+            g, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting
+        )
+        yield self._family(
+            g, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage
+        )
+        yield self._family(
+            g,
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc.",
+            s.kv_cache_usage,
+        )
+        yield self._family(
+            c,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        )
+        yield self._family(
+            c,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        )
+        yield self._family(
+            c, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions
+        )
+        yield self._family(c, "vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield self._family(
+            c, "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self.cache_info)
+        )
+        info.add_metric(list(self.cache_info.values()), 1.0)
+        yield info
+
+
+def cache_config_info(engine: Any) -> dict[str, str]:
+    """vllm:cache_config_info's labels, from the resolved engine config and the KV pool's size."""
+    cfg = engine.config
+    stats = engine.stats()
+    return {
+        "block_size": str(stats.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(bool(getattr(cfg, "enable_prefix_caching", True))),
+        "gpu_memory_utilization": str(getattr(cfg, "gpu_memory_utilization", None)),
+        "kv_cache_memory_bytes": str(getattr(cfg, "kv_cache_memory_bytes", None)),
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(stats.num_gpu_blocks),
+        "num_gpu_blocks_override": str(getattr(cfg, "num_gpu_blocks_override", None)),
+        "engine": "0",
+    }
+
+
+class ServerMetrics:
+    """The app's registry: the engine collector plus the per-request histograms and counters."""
+
+    def __init__(self, engine: Any, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = [model_name, "0"]
+        self.registry.register(EngineStatsCollector(engine, labels, cache_config_info(engine)))
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Any:
+            return Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets).labels(*labels)
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        self.success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int, max_tokens: int, n: int) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens, max_tokens, n)
+
+
+class RequestTracker:
+    """Observes one engine request's outputs as they arrive; records its histograms when it finishes."""
+
+    __slots__ = ("arrival", "done", "last_token", "max_tokens", "metrics", "n", "num_tokens", "prompt_tokens")
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
+        self.metrics = metrics
+        self.prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.n = n
+        self.arrival = time.time()
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self.done = False
+
+    def observe(self, output: Any) -> None:
+        num_tokens = 0
+        for completion in output.outputs:
+            num_tokens += len(completion.token_ids)
+        if num_tokens > self.num_tokens:
+            now = time.time()
+            if self.last_token is not None:
+                self.metrics.itl.observe(now - self.last_token)
+            self.last_token = now
+            self.num_tokens = num_tokens
+        if output.finished:
+            self.finish(output)
+
+    def finish(self, output: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, now = self.metrics, time.time()
+        rm = output.metrics
+        arrival = _attr(rm, "arrival_time") or self.arrival
+        scheduled = _attr(rm, "first_scheduled_time")
+        first = _attr(rm, "first_token_time")
+        last = _attr(rm, "last_token_time") or self.last_token
+        finished = _attr(rm, "finished_time") or now
+        m.e2e.observe(max(0.0, finished - arrival))
+        if first is not None:
+            m.ttft.observe(max(0.0, first - arrival))
+        if scheduled is not None:
+            m.queue.observe(max(0.0, scheduled - arrival))
+            if first is not None:
+                m.prefill.observe(max(0.0, first - scheduled))
+            if last is not None:
+                m.inference.observe(max(0.0, last - scheduled))
+        if first is not None and last is not None:
+            m.decode.observe(max(0.0, last - first))
+        m.prompt_tokens.observe(self.prompt_tokens)
+        m.generation_tokens.observe(self.num_tokens)
+        m.max_tokens.observe(self.max_tokens)
+        m.params_n.observe(self.n)
+        for completion in output.outputs:
+            counter = m.success.get(completion.finish_reason or "abort")
+            if counter is not None:
+                counter.inc()
+
+    def abort(self) -> None:
+        """The client went away before the request finished."""
+        if not self.done:
+            self.done = True
+            self.metrics.success["abort"].inc(self.n)
+
+
+def _attr(obj: Any, name: str) -> float | None:
+    return getattr(obj, name, None) if obj is not None else None

@@ -1,0 +1,445 @@
+"""What the chat and completion endpoints share: model check, prompt building, limits, sampling
+parameters, the per-request engine stream, server-sent events, logprobs and usage.
+
+One engine request per prompt, one asyncio stream per engine request (``AsyncEngine.generate``). A client
+that goes away ends its stream: the streaming response watches for the disconnect and cancels, a
+non-streamed request is raced against the disconnect, and the engine stream, once closed or cancelled,
+aborts its request, so its KV blocks return within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from pagedserve.server.api.errors import APIError, error_body
+from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
+from pagedserve.server.api.protocol import ChatCompletionMessageParam
+from pagedserve.server.sampling_params import SamplingParams
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
+_TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
+# apply_chat_template's own parameters: chat_template_kwargs must not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class EventStreamResponse(StreamingResponse):
+    """A server-sent-event stream that notices a client disconnect at once, not at its next write.
+
+    The body is streamed in one task while another waits for ``http.disconnect``; whichever ends first
+    cancels the other, and the body generator is closed either way, so the engine stream inside it ends
+    (and aborts its request) as soon as the client is gone.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((streamer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            streamer.cancel()
+            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not streamer.cancelled():
+            exc = streamer.exception()
+            if exc is not None and not isinstance(exc, OSError):  # OSError: the client went away
+                raise exc
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with their iterator's index.
+
+    Closing (or cancelling) the merged iterator closes every source.
+    """
+    pending: dict[asyncio.Future[T], int] = {}
+    try:
+        if len(iterators) == 1:
+            async for item in iterators[0]:
+                yield 0, item
+            return
+        pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+                yield index, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class OpenAIServing:
+    """Base of the chat and completion handlers."""
+
+    def __init__(self, engine: Any, model_names: list[str], metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_names = model_names
+        self.model_name = model_names[0]
+        self.max_model_len: int = engine.config.max_model_len
+        self.max_num_seqs: int = engine.config.max_num_seqs
+        self.metrics = metrics
+
+    # ---- checks -------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_request(self, request: Any) -> None:
+        if not self.engine.is_healthy():
+            raise APIError("The engine is not running.", 503)
+        if request.use_beam_search:
+            raise APIError("use_beam_search is not supported.", 400, param="use_beam_search")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError("best_of must equal n: best-of sampling is not supported.", 400, param="best_of")
+        if request.stream_options is not None and not request.stream:
+            raise APIError("stream_options can only be set when stream is true.", 400, param="stream_options")
+        if request.n > self.max_num_seqs:
+            raise APIError(
+                f"n must be at most max_num_seqs ({self.max_num_seqs}), got {request.n}.", 400, param="n"
+            )
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+        """vLLM's rule: no max_tokens means up to max_model_len; over the limit is a 400 naming it."""
+        limit = self.max_model_len
+        if prompt_len == 0:
+            raise APIError("The prompt must not be empty.", 400, param=prompt_param)
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_len} input tokens, which leaves no room for a completion. Please reduce the length "
+                "of the input.",
+                400,
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} in the "
+                "completion). Please reduce the length of the input or of max_tokens.",
+                400,
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    # ---- prompts ------------------------------------------------------------------------------------
+
+    async def tokenize(self, text: str, add_special_tokens: bool, truncate: int | None = None) -> list[int]:
+        if len(text) > _TOKENIZE_IN_THREAD_CHARS:
+            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = list(ids)
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
+        return ids
+
+    def apply_chat_template(
+        self,
+        messages: list[ChatCompletionMessageParam],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """The rendered prompt and the conversation as plain dicts."""
+        if add_generation_prompt and continue_final_message:
+            raise APIError(
+                "add_generation_prompt and continue_final_message cannot both be true.",
+                400,
+                param="continue_final_message",
+            )
+        conversation = [_message_dict(m) for m in messages]
+        extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **extra,
+            )
+        except Exception as exc:  # template errors are the request's: a template given or messages it rejects
+            raise APIError(
+                f"Cannot apply the chat template: {type(exc).__name__}: {exc}", 400, param="messages"
+            ) from exc
+        if not isinstance(prompt, str):
+            raise APIError("The chat template did not render to text.", 400, param="chat_template")
+        return prompt, conversation
+
+    # ---- sampling -----------------------------------------------------------------------------------
+
+    def sampling_params(self, request: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        kwargs: dict[str, Any] = {
+            "n": request.n,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids,
+            "ignore_eos": request.ignore_eos,
+            "min_tokens": request.min_tokens,
+            "skip_special_tokens": request.skip_special_tokens,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
+            "seed": request.seed,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(request, name)
+            if value is not None:
+                kwargs[name] = value
+        if request.logit_bias:
+            try:
+                kwargs["logit_bias"] = {
+                    int(k): min(max(float(v), -100.0), 100.0) for k, v in request.logit_bias.items()
+                }
+            except ValueError as exc:
+                raise APIError(
+                    "logit_bias keys must be token ids (integers).", 400, param="logit_bias"
+                ) from exc
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(message, 400, param=message.split(" ", 1)[0]) from exc
+
+    # ---- the engine stream --------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: dict[str, Any], params: SamplingParams, tracker: RequestTracker
+    ) -> AsyncIterator[Any]:
+        """The engine's stream for one prompt, observed for metrics; closing it aborts the request.
+
+        A ValueError before the first output (the engine's own validation) becomes a 400.
+        """
+        stream = self.engine.generate(prompt, params, random_id())
+        started = finished = False
+        try:
+            async for output in stream:
+                started = True
+                tracker.observe(output)
+                finished = output.finished
+                yield output
+        except ValueError as exc:
+            if started:
+                raise
+            raise APIError(str(exc), 400) from exc
+        finally:
+            if started and not finished:
+                tracker.abort()
+            await stream.aclose()
+
+    async def final_outputs(self, request: Request, streams: list[AsyncIterator[Any]]) -> list[Any]:
+        """The last (cumulative) output of each stream; cancelled if the client disconnects."""
+
+        async def collect() -> list[Any]:
+            finals: list[Any] = [None] * len(streams)
+            async for index, output in merge_async_iterators(*streams):
+                finals[index] = output
+            return finals
+
+        return await run_unless_disconnected(request, collect())
+
+    # ---- logprobs -----------------------------------------------------------------------------------
+
+    def token_str(self, token_id: int, logprob: Any) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def top_entries(step: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+        if k <= 0:
+            return []
+        ranked = [(tid, lp) for tid, lp in step.items() if lp.rank is not None and lp.rank <= k]
+        ranked.sort(key=lambda item: item[1].rank)
+        return ranked
+
+    def chat_logprobs(self, token_ids: list[int], steps: list[dict[int, Any]], k: int) -> dict[str, Any]:
+        content = []
+        for token_id, step in zip(token_ids, steps, strict=False):
+            chosen = step.get(token_id)
+            token = self.token_str(token_id, chosen)
+            top = []
+            for tid, lp in self.top_entries(step, k):
+                tok = self.token_str(tid, lp)
+                top.append(
+                    {
+                        "token": tok,
+                        "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                        "bytes": list(tok.encode("utf-8")),
+                    }
+                )
+            content.append(
+                {
+                    "token": token,
+                    "logprob": max(chosen.logprob, LOGPROB_FLOOR) if chosen is not None else LOGPROB_FLOOR,
+                    "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": top,
+                }
+            )
+        return {"content": content}
+
+    def completion_logprobs(
+        self, token_ids: list[int], steps: list[dict[int, Any]] | None, k: int, offset: int
+    ) -> tuple[dict[str, Any], int]:
+        """OpenAI's legacy logprobs object, and the text offset after the last token.
+
+        ``steps`` None (echoed prompt tokens) gives null logprobs for those tokens.
+        """
+        result: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for i, token_id in enumerate(token_ids):
+            step = steps[i] if steps is not None and i < len(steps) else None
+            chosen = step.get(token_id) if step is not None else None
+            token = self.token_str(token_id, chosen)
+            result["tokens"].append(token)
+            result["text_offset"].append(offset)
+            offset += len(token)
+            if step is None:
+                result["token_logprobs"].append(None)
+                result["top_logprobs"].append(None)
+                continue
+            result["token_logprobs"].append(
+                max(chosen.logprob, LOGPROB_FLOOR) if chosen is not None else None
+            )
+            top = {
+                self.token_str(tid, lp): max(lp.logprob, LOGPROB_FLOOR)
+                for tid, lp in self.top_entries(step, k)
+            }
+            if chosen is not None:
+                top.setdefault(token, max(chosen.logprob, LOGPROB_FLOOR))
+            result["top_logprobs"].append(top)
+        return result, offset
+
+    @staticmethod
+    def stream_error(exc: BaseException) -> str:
+        """An error event for a stream that already started (its HTTP status is already sent)."""
+        if isinstance(exc, APIError):
+            return sse(error_body(exc.message, exc.status, exc.param, exc.code))
+        return sse(error_body(f"Internal server error ({type(exc).__name__}): {exc}", 500))
+
+
+def _message_dict(message: ChatCompletionMessageParam) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    f"Unsupported content part type {part.type!r}: only 'text' parts are supported.",
+                    400,
+                    param="messages",
+                )
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+    for key in ("name", "tool_call_id", "tool_calls"):
+        value = getattr(message, key)
+        if value is not None:
+            out[key] = value
+    return out
