@@ -1,0 +1,409 @@
+"""A real `pagedserve serve` process on 127.0.0.1 with the embedded model, driven by the official openai
+client, raw HTTP and schemathesis.
+
+One module-scoped server serves every test (loading the model is the expensive part); the last test
+sends it SIGTERM and checks that an in-flight stream still completes and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pagedserve import default_model
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 256
+MODEL = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = 240
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    port = _free_port()
+    log = Path(tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedserve.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--shutdown-grace-period",
+        "60",
+    ]
+    env = {**os.environ, "PAGEDSERVE_API_KEY": API_KEY}
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    srv = Server(f"http://127.0.0.1:{port}", process, log)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"server exited with {process.returncode}:\n{srv.log()[-4000:]}")
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{srv.log()[-4000:]}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        log.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(default_model()))
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def async_client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def metric(server: Server, name: str, labels: str = "") -> float:
+    """The value of the first sample of `name` whose label set contains `labels`."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{labels}}} not in /metrics")
+
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ------------------------------------------------------------------------------------- openai client
+def test_chat_answers_paris_with_tokenizer_usage(server: Server, tokenizer) -> None:
+    result = client(server).chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=24, temperature=0
+    )
+    choice = result.choices[0]
+    assert "Paris" in (choice.message.content or "")
+    assert choice.message.role == "assistant"
+    prompt = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert result.usage.completion_tokens == len(tokenizer.encode(choice.message.content or "")) + (
+        choice.finish_reason == "stop"
+    )  # the end-of-turn token that stopped it counts, as in vLLM
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    assert result.usage.prompt_tokens_details is not None
+    assert result.model == MODEL
+
+
+def test_chat_stream_equals_non_stream(server: Server) -> None:
+    c = client(server)
+    kwargs = {"model": MODEL, "messages": FRANCE, "max_tokens": 16, "temperature": 0}
+    whole = c.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_stream_and_not(server: Server, tokenizer) -> None:
+    c = client(server)
+    prompt = "The capital of France is"
+    kwargs = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = c.completions.create(**kwargs)
+    assert "Paris" in whole.choices[0].text
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    streamed = list(c.completions.create(**kwargs, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_n_seed_stop_logprobs(server: Server) -> None:
+    c = client(server)
+    sampled = {"model": MODEL, "messages": FRANCE, "max_tokens": 10, "temperature": 1.0, "seed": 1234}
+    two = c.chat.completions.create(**sampled, n=2)
+    assert sorted(ch.index for ch in two.choices) == [0, 1]
+    again = c.chat.completions.create(**sampled, n=2)
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in two.choices]
+
+    stopped = c.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=24, temperature=0, stop=["Paris"]
+    )
+    assert "Paris" not in (stopped.choices[0].message.content or "")
+    assert stopped.choices[0].finish_reason == "stop"
+
+    lp = c.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = lp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == lp.usage.completion_tokens  # type: ignore[union-attr]
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy: the top token
+
+    comp = c.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    logprobs = comp.choices[0].logprobs
+    assert logprobs is not None and len(logprobs.tokens or []) == 3
+    assert all(len(top) >= 2 for top in logprobs.top_logprobs or [])
+
+
+def test_models_tokenize_version(server: Server, tokenizer) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["tokens"] == tokenizer.encode("Hello world") and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == "Hello world"
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+# ------------------------------------------------------------------------------------- concurrency
+def test_32_concurrent_streams(server: Server) -> None:
+    """32 streaming clients at once: each streamed text equals the same request's non-streamed (greedy) text,
+    and /metrics saw several requests running together."""
+    prompts = [f"Fact number {i}:" for i in range(32)]
+    base = {"model": MODEL, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    peak = 0.0
+    stop_polling = threading.Event()
+
+    def poll() -> None:
+        nonlocal peak
+        while not stop_polling.is_set():
+            peak = max(peak, metric(server, "vllm:num_requests_running"))
+            time.sleep(0.05)
+
+    async def stream_one(c: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await c.completions.create(**base, prompt=prompt, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def whole_one(c: openai.AsyncOpenAI, prompt: str) -> str:
+        return (await c.completions.create(**base, prompt=prompt)).choices[0].text
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with async_client(server) as c:
+            streamed = await asyncio.gather(*[stream_one(c, p) for p in prompts])
+            whole = await asyncio.gather(*[whole_one(c, p) for p in prompts])
+        return list(streamed), list(whole)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        streamed, whole = asyncio.run(run())
+    finally:
+        stop_polling.set()
+        poller.join()
+    assert all(streamed)
+    assert streamed == whole
+    assert peak > 1, "never saw more than one request running at once"
+
+
+def test_disconnects_free_everything(server: Server) -> None:
+    idle_usage = metric(server, "vllm:kv_cache_usage_perc")
+    aborted_before = metric(server, "vllm:request_success_total", 'finished_reason="abort"')
+
+    async def leave_early(c: openai.AsyncOpenAI, i: int) -> None:
+        stream = await c.completions.create(
+            model=MODEL,
+            prompt=f"Count to a thousand, step {i}:",
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.close()
+
+    async def run() -> None:
+        async with async_client(server) as c:
+            await asyncio.gather(*[leave_early(c, i) for i in range(16)])
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running, usage = (
+            metric(server, "vllm:num_requests_running"),
+            metric(server, "vllm:kv_cache_usage_perc"),
+        )
+        if running == 0 and usage == idle_usage:
+            break
+        time.sleep(0.1)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == idle_usage
+    assert metric(server, "vllm:request_success_total", 'finished_reason="abort"') >= aborted_before + 16
+
+
+# ------------------------------------------------------------------------------------------- errors
+def _assert_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_error_cases(server: Server) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.Client(timeout=60) as http:
+        bad_json = http.post(url, content=b"{oops", headers={**auth, "content-type": "application/json"})
+        _assert_error(bad_json, 400)
+        _assert_error(http.post(url, json={"messages": "not a list"}, headers=auth), 400)
+        _assert_error(http.post(url, json={"messages": FRANCE, "temperature": "hot"}, headers=auth), 400)
+        too_long = http.post(url, json={"messages": FRANCE, "max_tokens": 1000}, headers=auth)
+        assert str(MAX_MODEL_LEN) in _assert_error(too_long, 400)["message"]
+        long_prompt = {"model": MODEL, "prompt": "word " * 400}
+        assert (
+            str(MAX_MODEL_LEN)
+            in _assert_error(http.post(f"{server.url}/v1/completions", json=long_prompt, headers=auth), 400)[
+                "message"
+            ]
+        )
+        assert _assert_error(http.post(url, json={"model": "nope", "messages": FRANCE}, headers=auth), 404)[
+            "code"
+        ]
+        _assert_error(http.post(url, json={"messages": FRANCE}), 401)
+        _assert_error(
+            http.post(url, json={"messages": FRANCE}, headers={"Authorization": "Bearer wrong"}), 401
+        )
+        _assert_error(http.get(f"{server.url}/v1/models"), 401)
+        assert http.get(f"{server.url}/health").status_code == 200
+        assert http.get(f"{server.url}/metrics").status_code == 200
+        ok = http.post(url, json={"messages": FRANCE, "max_tokens": 2}, headers=auth)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="nope", messages=FRANCE)
+    with pytest.raises(openai.BadRequestError):
+        client(server).chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=10_000)
+
+
+def test_schemathesis_fuzz_no_server_errors(server: Server) -> None:
+    """Every operation in /openapi.json, fuzzed with schema-valid and invalid data: never a 5xx.
+
+    Generation is bounded (max_tokens, n) so each request costs a few engine steps at most.
+    """
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    seen: dict[str, int] = {}
+
+    def bound(case) -> None:
+        body = case.body
+        if not isinstance(body, dict):
+            return
+        if isinstance(body.get("n"), int):
+            body["n"] = min(body["n"], 2)
+        for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+            if isinstance(body.get(key), int) and body[key] > 4:
+                body[key] = 4
+        if "prompt" in body or "messages" in body:
+            body.setdefault("max_tokens", 4)
+
+    def fuzz(operation, mode) -> None:
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(
+            max_examples=12,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        def run(case) -> None:
+            bound(case)
+            response = case.call(base_url=server.url, headers=headers, timeout=60)
+            seen[operation.label] = seen.get(operation.label, 0) + 1
+            case.validate_response(response, checks=[not_a_server_error])
+
+        run()
+
+    for result in schema.get_all_operations():
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            try:
+                fuzz(result.ok(), mode)
+            except Unsatisfiable:  # no invalid input exists (an operation without parameters or body)
+                assert mode == GenerationMode.NEGATIVE
+    assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"} <= set(seen)
+    assert client(server).models.list().data  # still serving
+
+
+# ----------------------------------------------------------------------------------- last: shutdown
+def test_sigterm_drains_in_flight_and_exits_zero(server: Server) -> None:
+    """SIGTERM: new connections refused, the in-flight stream runs to its end, exit code 0."""
+    c = client(server)
+    stream = c.completions.create(
+        model=MODEL, prompt="Count:", max_tokens=24, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(f"{server.url}/health", timeout=2)
+    rest = list(chunks)  # ... but the stream in flight runs to its end
+    assert first.choices and rest[-1].choices[0].finish_reason == "length"
+    assert server.process.wait(timeout=60) == 0, server.log()[-3000:]
+    log = server.log()
+    assert "method=POST path=/v1/completions status=200" in log  # the access log
