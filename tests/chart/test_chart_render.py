@@ -329,3 +329,9 @@ def test_chart_rbac_is_a_copy_of_the_operators() -> None:
     assert (CHART / "files" / "operator-rbac.yaml").read_text() == (
         REPO / "operator" / "rbac.yaml"
     ).read_text(), "charts/pagedserve/files/operator-rbac.yaml differs from operator/rbac.yaml: copy it over"
+    source_rules = yaml.safe_load((REPO / "operator" / "rbac.yaml").read_text())
+    assert one(render(), "ClusterRole")["rules"] == source_rules
+    # Several replicas add what kopf's peering needs, and nothing else.
+    peering_rules = one(render(NON_DEFAULT), "ClusterRole")["rules"]
+    assert peering_rules[: len(source_rules)] == source_rules
+    assert [r["apiGroups"] for r in peering_rules[len(source_rules) :]] == [["kopf.dev"]]
