@@ -1,0 +1,177 @@
+"""Decode attention over the paged KV cache: one query per sequence, split-K (flash-decoding).
+
+Each program takes one sequence, one KV head with all the query heads that share it (GQA; the group is
+padded to 16 rows for ``tl.dot``), and one partition of the context. With few sequences the context is
+cut into several partitions so that long contexts still occupy every SM; a second kernel then merges
+the partitions' softmax statistics. Launch sizes depend only on tensor shapes (never on the values of
+``context_lens``), so the call needs no host synchronisation and can be captured in a CUDA graph.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import next_pow2, num_sms
+
+LOG2E = 1.4426950408889634
+# Tunables (module-level so that benchmarks can sweep them).
+BLOCK_N = 64  # context tokens per inner iteration
+MIN_PARTITION = 256  # fewest context tokens worth giving a program of their own
+PROGRAMS_PER_SM = 4  # split the context until about this many programs per SM exist
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_stats_ptr,
+    qk_scale,
+    stride_qs, stride_qh, stride_os, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    num_heads, head_dim, partition_size,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, context_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < GROUP
+    dmask = d < head_dim
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_ch
+    for tile in range(start, end, BLOCK_N):
+        t = tile + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        offs = block * stride_cb + (t % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    acc = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        dst = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    else:
+        # Partials: out [seqs, heads, NUM_SPLITS, head_dim]; stats [2 (max, sum), seqs, heads, NUM_SPLITS].
+        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], acc,
+                 mask=gmask[:, None] & dmask[None, :])
+        num_rows = tl.num_programs(0).to(tl.int64) * num_heads * NUM_SPLITS
+        tl.store(part_stats_ptr + row, m_i, mask=gmask)
+        tl.store(part_stats_ptr + num_rows + row, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_stats_ptr, context_lens_ptr, out_ptr,
+    stride_os, stride_oh, num_heads, head_dim, partition_size,
+    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    used = tl.cdiv(context_len, partition_size)
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    smask = sp < used
+    dmask = d < head_dim
+    row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + sp
+    num_rows = tl.num_programs(0).to(tl.int64) * num_heads * NUM_SPLITS
+    m = tl.load(part_stats_ptr + row, mask=smask, other=-1.0e30)
+    total_exp = tl.load(part_stats_ptr + num_rows + row, mask=smask, other=0.0)
+    weight = tl.where(smask, tl.exp2(m - tl.max(m, axis=0)) * total_exp, 0.0)
+    partial = tl.load(part_out_ptr + row[:, None] * head_dim + d[None, :],
+                      mask=smask[:, None] & dmask[None, :], other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def _partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> tuple[int, int]:
+    """``(num_splits, partition_size)`` from shapes alone: enough programs to fill the device."""
+    max_context = max(max_context, 1)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), num_seqs * num_kv_heads)
+    splits = max(1, min(wanted, triton.cdiv(max_context, MIN_PARTITION)))
+    partition = triton.cdiv(triton.cdiv(max_context, splits), BLOCK_N) * BLOCK_N
+    return triton.cdiv(max_context, partition), partition
+
+
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition):
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_stats = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_stats = out
+    block_d = next_pow2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_out, part_stats,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads, head_dim, partition,
+        GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part_out, part_stats, context_lens, out,
+            out.stride(0), out.stride(1), num_heads, head_dim, partition,
+            NUM_SPLITS=num_splits, BLOCK_SPLITS=next_pow2(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence against its whole cached context. q ``[num_seqs, num_heads, head_dim]``.
+
+    The context is bounded by the block table's width (``block_tables.shape[1] * block_size``); give the
+    kernel a table no wider than the step needs so that the split-K partitions fit the real contexts.
+    """
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    num_splits, partition = _partition(q.shape[0], k_cache.shape[2], max_context, q.device)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition)

@@ -1,0 +1,127 @@
+"""Prefill attention over the paged KV cache for packed variable-length query chunks.
+
+Query ``i`` of a sequence sits at absolute position ``context_len - q_len + i`` and attends causally to
+every cached key up to it, so chunked prefill and prefix-cache hits read their earlier tokens from the
+cache like any other. The chunk's own K/V must already be stored (``store_kv_cache`` runs first).
+
+Programs are laid out without knowing the chunk lengths on the host: sequence ``s`` owns the query
+tiles numbered from ``cu_seqlens_q[s] // BLOCK_M + s``, a numbering that never overlaps and stays below
+``num_tokens // BLOCK_M + num_seqs``; each program finds its sequence by binary search and programs past
+the end of their sequence's chunk do nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import next_pow2
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # query tokens per program
+BLOCK_N = 64  # context tokens per inner iteration
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    num_seqs, head_dim,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    # The last sequence whose first tile number is <= tile_id.
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(cu_seqlens_ptr + mid).to(tl.int32) // BLOCK_M + mid
+        found = first_tile <= tile_id
+        lo = tl.where(found, mid, lo)
+        hi = tl.where(found, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32) - q_start
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    first_query = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+
+    m_idx = first_query + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_mask = m_idx < q_len
+    dmask = d < head_dim
+    q_pos = context_len - q_len + m_idx
+    tokens = (q_start + m_idx).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=m_mask[:, None] & dmask[None, :], other=0.0)
+    # Keys up to the tile's last query; none at all for a tile past the end of its chunk.
+    last_query = tl.minimum(first_query + BLOCK_M, q_len)
+    kv_end = tl.where(first_query < q_len, context_len - q_len + last_query, 0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_ch
+    for tile in range(0, kv_end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = block * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
+        kv_mask = n_mask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dmask[None, :])
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed variable-length queries ``[num_tokens, num_heads, head_dim]``, each attending causally to
+    its whole cached context (see the module docstring)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    grid = (num_tokens // BLOCK_M + num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_seqs, head_dim,
+        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=next_pow2(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out

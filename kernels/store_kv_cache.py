@@ -1,0 +1,56 @@
+"""Write each token's new K and V into its slot of the paged KV cache."""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import next_pow2
+
+
+@triton.jit
+def _store_kv_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    # A negative slot (padding, or a token whose KV is already cached) writes nothing.
+    heads_to_write = tl.where(slot >= 0, num_kv_heads, 0)
+    mask = (heads[:, None] < heads_to_write) & (dims[None, :] < head_dim)
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v ``[num_tokens, num_kv_heads, head_dim]`` into their slots; negative slots are skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    _store_kv_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
+    )

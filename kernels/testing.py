@@ -1,0 +1,78 @@
+"""Random paged-KV-cache scenarios shared by the kernel tests (CPU interpreter and GPU) and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedCase:
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], every slot random
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, width] int32; entries past a context point at other blocks
+    context_lens: torch.Tensor  # [num_seqs] int32
+    q_decode: torch.Tensor  # [num_seqs, num_heads, head_dim]
+    q_prefill: torch.Tensor  # [sum(q_lens), num_heads, head_dim]
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+
+    def slots(self, seq: int, positions: range) -> list[int]:
+        """Cache slots of the given absolute positions of one sequence."""
+        block_size = self.k_cache.shape[1]
+        table = self.block_tables[seq].tolist()
+        return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def make_paged_case(
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    q_lens: list[int] | None = None,
+    extra_width: int = 1,
+    seed: int = 0,
+) -> PagedCase:
+    """Sequences with the given contexts, their blocks scattered over a shuffled cache.
+
+    ``q_lens`` (default: all 1) sizes the packed prefill queries; each must be <= its context.
+    ``extra_width`` adds table columns beyond the longest context, so reads past a context would hit
+    another sequence's data instead of going unnoticed.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = q_lens if q_lens is not None else [1] * len(context_lens)
+    assert all(0 <= q <= c for q, c in zip(q_lens, context_lens, strict=True))
+    blocks_per_seq = [(c + block_size - 1) // block_size for c in context_lens]
+    width = max(blocks_per_seq, default=0) + extra_width
+    num_blocks = sum(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.empty(len(context_lens), width, dtype=torch.int32)
+    used = 0
+    for seq, n in enumerate(blocks_per_seq):
+        tables[seq, :n] = torch.tensor(order[used:used + n], dtype=torch.int32)
+        used += n
+        # Padding columns: valid block ids that belong to someone else.
+        tables[seq, n:] = torch.randint(0, num_blocks, (width - n,), generator=gen, dtype=torch.int32)
+
+    device = torch.device(device)
+    values = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=values, device=device).to(dtype)
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    return PagedCase(
+        k_cache=rand(*shape),
+        v_cache=rand(*shape),
+        block_tables=tables.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        q_decode=rand(len(context_lens), num_heads, head_dim),
+        q_prefill=rand(cu[-1], num_heads, head_dim),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+    )
