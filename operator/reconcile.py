@@ -1,0 +1,203 @@
+"""Reconciliation: make a ModelDeployment's children match render(), then report status.
+
+Idempotent by construction: each rendered child carries ``pagedserve.io/spec-hash``; a live child is
+patched only when its hash differs or when a rendered field no longer holds its rendered value (someone
+edited it), and a missing child is created. Re-running on an unchanged spec and unchanged children makes
+no writes at all, and the status is written only when it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.operator.kube import Kube, KubeError
+from pagedserve.operator.resources import (
+    CHILD_KINDS,
+    DEFAULT_IMAGE,
+    DEFAULT_ROUTER_IMAGE,
+    HASH_ANNOTATION,
+    MANAGER,
+    engine_name,
+    potential_children,
+    render,
+    router_name,
+)
+from pagedserve.operator.spec import API_VERSION, PLURAL, format_validation_error, parse_spec
+from pagedserve.operator.status import compute_status, status_changed
+
+PODMONITOR_API = ("monitoring.coreos.com/v1", "podmonitors")
+
+
+@dataclass
+class Options:
+    default_image: str = DEFAULT_IMAGE
+    default_router_image: str = DEFAULT_ROUTER_IMAGE
+
+
+@dataclass
+class Result:
+    status: dict[str, Any]
+    created: list[str] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+class SpecError(Exception):
+    """The spec cannot be rendered (a permanent error until the spec changes)."""
+
+
+def contains(want: Any, have: Any) -> bool:
+    """Whether ``have`` holds every field of ``want`` with the same value (lists element by element)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(
+            key in have and contains(value, have[key]) for key, value in want.items()
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(contains(w, h) for w, h in zip(want, have, strict=True))
+        )
+    if isinstance(want, bool) or isinstance(have, bool):  # True == 1 in Python, not in JSON
+        return want is have
+    return bool(want == have)
+
+
+def _ref(manifest: dict[str, Any]) -> str:
+    return f"{manifest['kind']}/{manifest['metadata']['name']}"
+
+
+def _owned(live: dict[str, Any], uid: str, name: str) -> bool:
+    """Ours: owned by this ModelDeployment, or labelled as this instance's by this operator (adoption)."""
+    meta = live.get("metadata") or {}
+    if any(ref.get("uid") == uid for ref in meta.get("ownerReferences") or []):
+        return True
+    found = meta.get("labels") or {}
+    return (
+        found.get("app.kubernetes.io/managed-by") == MANAGER
+        and found.get("app.kubernetes.io/instance") == name
+    )
+
+
+async def ensure(kube: Kube, manifest: dict[str, Any], uid: str, name: str, result: Result) -> dict[str, Any]:
+    """Create the child, or patch it when it drifted from the manifest; return the live object."""
+    plural = CHILD_KINDS[(manifest["apiVersion"], manifest["kind"])]
+    meta = manifest["metadata"]
+    live = await kube.get(manifest["apiVersion"], plural, meta["namespace"], meta["name"])
+    if live is None:
+        try:
+            live = await kube.create(plural, manifest)
+            result.created.append(_ref(manifest))
+            return live or manifest
+        except KubeError as error:
+            if error.status != 409:  # lost a race with another reconcile: compare with theirs
+                raise
+            live = await kube.get(manifest["apiVersion"], plural, meta["namespace"], meta["name"])
+            if live is None:
+                raise
+    if not _owned(live, uid, name):
+        raise KubeError(
+            409, f"{_ref(manifest)} exists and is not owned by this ModelDeployment", "AlreadyExists"
+        )
+    live_hash = ((live.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
+    if live_hash == meta["annotations"][HASH_ANNOTATION] and contains(manifest, live):
+        return live
+    live = await kube.apply(plural, manifest)
+    result.patched.append(_ref(manifest))
+    return live or manifest
+
+
+async def reconcile(
+    kube: Kube, modeldeployment: dict[str, Any], options: Options | None = None, logger: Any = None
+) -> Result:
+    """Apply every child, remove the ones the spec no longer asks for, and write the status.
+
+    Raises SpecError for a spec that cannot be rendered (after writing a Failed status). Errors on
+    single children are collected in ``Result.errors`` (and in the status); the caller reports them.
+    """
+    options = options or Options()
+    logger = logger or logging.getLogger(__name__)
+    meta = modeldeployment["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+
+    try:
+        spec = parse_spec(modeldeployment.get("spec"))
+        with_podmonitor = await kube.served(*PODMONITOR_API)
+        children = render(
+            modeldeployment,
+            with_podmonitor=with_podmonitor,
+            default_image=options.default_image,
+            default_router_image=options.default_router_image,
+        )
+    except ValueError as error:  # pydantic.ValidationError is a ValueError
+        message = f"invalid spec: {format_validation_error(error)}"
+        status = compute_status(
+            modeldeployment, engine=None, router=None, replicas=0, router_replicas=0, error=message
+        )
+        await write_status(kube, modeldeployment, status)
+        raise SpecError(message) from error
+
+    result = Result(status={})
+    live: dict[str, dict[str, Any]] = {}
+    for manifest in children:
+        try:
+            live[_ref(manifest)] = await ensure(kube, manifest, uid, name, result)
+        except KubeError as error:
+            result.errors.append(f"{_ref(manifest)}: {error}")
+
+    rendered = {(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in children}
+    for api_version, kind, child in potential_children(name):
+        if (api_version, kind, child) in rendered:
+            continue
+        plural = CHILD_KINDS[(api_version, kind)]
+        try:
+            if (api_version, plural) == PODMONITOR_API and not with_podmonitor:
+                continue
+            existing = await kube.get(api_version, plural, namespace, child)
+            if existing is not None and _owned(existing, uid, name):
+                await kube.delete(api_version, plural, namespace, child)
+                result.deleted.append(f"{kind}/{child}")
+        except KubeError as error:
+            result.errors.append(f"{kind}/{child}: {error}")
+
+    error = "; ".join(result.errors) or None
+    result.status = compute_status(
+        modeldeployment,
+        engine=live.get(f"Deployment/{engine_name(name)}"),
+        router=live.get(f"Deployment/{router_name(name)}"),
+        replicas=spec.replicas,
+        router_replicas=spec.router.replicas,
+        error=error,
+    )
+    await write_status(kube, modeldeployment, result.status)
+    for verb, refs in (("created", result.created), ("patched", result.patched), ("deleted", result.deleted)):
+        if refs:
+            logger.info(f"{verb} {', '.join(refs)}")
+    return result
+
+
+async def write_status(kube: Kube, modeldeployment: dict[str, Any], status: dict[str, Any]) -> None:
+    if not status_changed(modeldeployment.get("status"), status):
+        return
+    meta = modeldeployment["metadata"]
+    await kube.merge_patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], {"status": status}, "status")
+
+
+async def delete_children(kube: Kube, modeldeployment: dict[str, Any]) -> list[str]:
+    """Delete every child this ModelDeployment owns (the garbage collector would too, eventually)."""
+    meta = modeldeployment["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+    deleted = []
+    with_podmonitor = await kube.served(*PODMONITOR_API)
+    for api_version, kind, child in potential_children(name):
+        plural = CHILD_KINDS[(api_version, kind)]
+        if (api_version, plural) == PODMONITOR_API and not with_podmonitor:
+            continue
+        existing = await kube.get(api_version, plural, namespace, child)
+        owned = existing is not None and _owned(existing, uid, name)
+        if owned and await kube.delete(api_version, plural, namespace, child):
+            deleted.append(f"{kind}/{child}")
+    return deleted

@@ -1,0 +1,576 @@
+"""Pure rendering: a ModelDeployment (a dict, as the API server returns it) -> its child manifests.
+
+No I/O and no Kubernetes client here: ``render`` is a function of its input, so it is tested on its
+own (every manifest validates against the Kubernetes OpenAPI schema) and the e2e test starts the
+rendered containers as local processes.
+
+Children, all named after the ModelDeployment ``<name>``:
+
+- ``<name>-engine``  Deployment (``pagedserve serve``) and headless Service (the router's discovery)
+- ``<name>-router``  Deployment (``pagedserve router``), ServiceAccount, Role, RoleBinding
+- ``<name>``         ClusterIP Service in front of the router: the OpenAI endpoint
+                     ``http://<name>.<namespace>.svc/v1``
+- ``<name>-cache``   PersistentVolumeClaim for the weights (when ``modelCache`` is set)
+- ``<name>``         HorizontalPodAutoscaler on the ModelDeployment's scale subresource (``autoscaling``)
+- ``<name>-engine``, ``<name>-router``  PodDisruptionBudgets
+- ``<name>``         PodMonitor (when the Prometheus Operator's API is served)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+from pagedserve.operator.spec import API_VERSION, KIND, ModelDeploymentSpec, parse_spec, quantity
+
+from pagedserve import __version__
+
+MANAGER = "pagedserve-operator"
+APP_NAME = "pagedserve"
+HASH_ANNOTATION = "pagedserve.io/spec-hash"
+ENGINE_PORT = 8000
+ROUTER_PORT = 8000
+SERVICE_PORT = 80
+HF_HOME = "/cache/huggingface"
+MODEL_PVC_MOUNT = "/model-pvc"
+
+# The images a ModelDeployment gets when it names none: the engine (Dockerfile target `server`)
+# and the slim router/operator image (target `control`). `pagedserve operator` can override both.
+DEFAULT_IMAGE = f"pagedserve/pagedserve:{__version__}"
+DEFAULT_ROUTER_IMAGE = f"pagedserve/pagedserve-control:{__version__}"
+
+# Every kind render() may produce: apiVersion, kind -> plural (for the REST paths).
+CHILD_KINDS: dict[tuple[str, str], str] = {
+    ("apps/v1", "Deployment"): "deployments",
+    ("v1", "Service"): "services",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+}
+
+
+def engine_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def cache_name(name: str) -> str:
+    return f"{name}-cache"
+
+
+def endpoint(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc/v1"
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {**selector_labels(name, component), "app.kubernetes.io/managed-by": MANAGER}
+
+
+def label_selector(name: str, component: str) -> str:
+    """The engine pods' selector as a string (status.selector, read by the HPA via the scale subresource)."""
+    return ",".join(f"{key}={value}" for key, value in selector_labels(name, component).items())
+
+
+def potential_children(name: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every child any spec of this ModelDeployment can produce."""
+    return [
+        ("apps/v1", "Deployment", engine_name(name)),
+        ("apps/v1", "Deployment", router_name(name)),
+        ("v1", "Service", engine_name(name)),
+        ("v1", "Service", name),
+        ("v1", "ServiceAccount", router_name(name)),
+        ("rbac.authorization.k8s.io/v1", "Role", router_name(name)),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", router_name(name)),
+        ("v1", "PersistentVolumeClaim", cache_name(name)),
+        ("policy/v1", "PodDisruptionBudget", engine_name(name)),
+        ("policy/v1", "PodDisruptionBudget", router_name(name)),
+        ("autoscaling/v2", "HorizontalPodAutoscaler", name),
+        ("monitoring.coreos.com/v1", "PodMonitor", name),
+    ]
+
+
+def spec_hash(manifest: dict[str, Any]) -> str:
+    """A digest of a rendered manifest, without its own hash annotation."""
+    body = copy.deepcopy(manifest)
+    meta = body.get("metadata", {})
+    meta.get("annotations", {}).pop(HASH_ANNOTATION, None)
+    if meta.get("annotations") == {}:
+        del meta["annotations"]
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def render(
+    modeldeployment: dict[str, Any],
+    *,
+    with_podmonitor: bool = True,
+    default_image: str = DEFAULT_IMAGE,
+    default_router_image: str = DEFAULT_ROUTER_IMAGE,
+) -> list[dict[str, Any]]:
+    """Every child manifest of a ModelDeployment, each with its ownerReference, labels and spec hash.
+
+    ``with_podmonitor``: include the PodMonitor (the operator passes whether monitoring.coreos.com
+    is served). Raises pydantic.ValidationError on a bad spec and ValueError on missing metadata.
+    """
+    meta = modeldeployment.get("metadata") or {}
+    name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
+    if not name or not namespace or not uid:
+        raise ValueError("a ModelDeployment needs metadata.name, metadata.namespace and metadata.uid")
+    spec = parse_spec(modeldeployment.get("spec"))
+    ctx = _Context(name, namespace, uid, spec, default_image, default_router_image)
+
+    children = [
+        ctx.engine_deployment(),
+        ctx.engine_service(),
+        ctx.router_service_account(),
+        ctx.router_role(),
+        ctx.router_role_binding(),
+        ctx.router_deployment(),
+        ctx.router_service(),
+        ctx.pdb(engine_name(name), "engine"),
+        ctx.pdb(router_name(name), "router"),
+    ]
+    if spec.model_cache is not None:
+        children.append(ctx.cache_pvc())
+    if spec.autoscaling is not None:
+        children.append(ctx.hpa())
+    if with_podmonitor:
+        children.append(ctx.pod_monitor())
+    for child in children:
+        child["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = spec_hash(child)
+    return children
+
+
+class _Context:
+    def __init__(
+        self,
+        name: str,
+        namespace: str,
+        uid: str,
+        spec: ModelDeploymentSpec,
+        default_image: str,
+        default_router_image: str,
+    ) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.uid = uid
+        self.spec = spec
+        self.image = spec.image or default_image
+        self.router_image = spec.router.image or default_router_image
+        self.served_model_name = spec.served_model_name or name
+
+    # -- shared pieces -------------------------------------------------------------------------
+
+    def meta(self, name: str, component: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": labels(self.name, component),
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": self.name,
+                    "uid": self.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
+
+    def secret_env(self, var: str, secret: Any) -> dict[str, Any]:
+        return {"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
+
+    def common_env(self, *api_key_vars: str) -> list[dict[str, Any]]:
+        env = [{"name": "HF_HOME", "value": HF_HOME}]
+        if self.spec.hf_token_secret is not None:
+            env.append(self.secret_env("HF_TOKEN", self.spec.hf_token_secret))
+        if self.spec.api_key_secret is not None:
+            env += [self.secret_env(var, self.spec.api_key_secret) for var in api_key_vars]
+        return env
+
+    def model_path(self) -> str | None:
+        """The model argument as the container sees it (None: the embedded default)."""
+        if self.spec.is_embedded:
+            return None
+        pvc = self.spec.pvc_model
+        if pvc is not None:
+            return f"{MODEL_PVC_MOUNT}/{pvc[1]}".rstrip("/")
+        return self.spec.model
+
+    def model_volumes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(volumes, mounts) for a pvc:// model, mounted read-only."""
+        pvc = self.spec.pvc_model
+        if pvc is None:
+            return [], []
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc[0], "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": MODEL_PVC_MOUNT, "readOnly": True}]
+
+    def scrape_annotations(self, port: int) -> dict[str, str]:
+        return {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics",
+        }
+
+    def pod_common(self) -> dict[str, Any]:
+        pod: dict[str, Any] = {}
+        if self.spec.image_pull_secrets:
+            pod["imagePullSecrets"] = [{"name": ref.name} for ref in self.spec.image_pull_secrets]
+        return pod
+
+    def container_common(self, image: str) -> dict[str, Any]:
+        container: dict[str, Any] = {"image": image}
+        if self.spec.image_pull_policy:
+            container["imagePullPolicy"] = self.spec.image_pull_policy
+        return container
+
+    # -- engine --------------------------------------------------------------------------------
+
+    def engine_args(self) -> list[str]:
+        spec, engine = self.spec, self.spec.engine
+        args: list[str] = []
+        model = self.model_path()
+        if model is not None:
+            args.append(model)
+        args += [
+            "--host", "0.0.0.0",
+            "--port", str(ENGINE_PORT),
+            "--served-model-name", self.served_model_name,
+            "--device", "cuda" if spec.resources.gpus else "cpu",
+            "--dtype", engine.dtype,
+            "--block-size", str(engine.block_size),
+            "--max-num-seqs", str(engine.max_num_seqs),
+        ]  # fmt: skip
+        if engine.max_model_len is not None:
+            args += ["--max-model-len", str(engine.max_model_len)]
+        if engine.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+        if spec.resources.gpus:
+            args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        if not engine.enable_prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        return args + list(engine.extra_args)
+
+    def engine_deployment(self) -> dict[str, Any]:
+        spec, res = self.spec, self.spec.resources
+        requests = {"cpu": res.cpu_request, "memory": res.memory_request}
+        limits = {"memory": res.memory_request}
+        tolerations = list(spec.tolerations)
+        if res.gpus:
+            requests[res.gpu_resource_name] = str(res.gpus)
+            limits[res.gpu_resource_name] = str(res.gpus)
+            tolerations.insert(
+                0, {"key": res.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"}
+            )
+
+        health = {"path": "/health", "port": "http"}
+        startup_period = 10
+        container = {
+            "name": "engine",
+            **self.container_common(self.image),
+            "command": ["pagedserve", "serve"],
+            "args": self.engine_args(),
+            "env": self.common_env("PAGEDSERVE_API_KEY") + list(spec.env),
+            "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+            "resources": {"requests": requests, "limits": limits},
+            "startupProbe": {
+                "httpGet": health,
+                "periodSeconds": startup_period,
+                "failureThreshold": -(-spec.engine.startup_timeout_seconds // startup_period),
+                "timeoutSeconds": 5,
+            },
+            "readinessProbe": {
+                "httpGet": health,
+                "periodSeconds": 5,
+                "failureThreshold": 3,
+                "timeoutSeconds": 5,
+            },
+            "livenessProbe": {
+                "httpGet": health,
+                "periodSeconds": 15,
+                "failureThreshold": 4,
+                "timeoutSeconds": 10,
+            },
+        }
+        model_volumes, model_mounts = self.model_volumes()
+        if spec.model_cache is not None:
+            cache_volume = {"name": "cache", "persistentVolumeClaim": {"claimName": cache_name(self.name)}}
+        else:
+            cache_volume = {"name": "cache", "emptyDir": {}}
+        volumes = [
+            cache_volume,
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": res.shm_size}},
+            *model_volumes,
+        ]
+        container["volumeMounts"] = [
+            {"name": "cache", "mountPath": HF_HOME},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *model_mounts,
+        ]
+        pod_spec: dict[str, Any] = {
+            **self.pod_common(),
+            "containers": [container],
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": 60,
+        }
+        if spec.node_selector:
+            pod_spec["nodeSelector"] = dict(spec.node_selector)
+        if tolerations:
+            pod_spec["tolerations"] = tolerations
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": self.meta(engine_name(self.name), "engine"),
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": selector_labels(self.name, "engine")},
+                # A rollout waits for model loading; only then is it "stuck".
+                "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + 600,
+                "template": {
+                    "metadata": {
+                        "labels": labels(self.name, "engine"),
+                        "annotations": {**self.scrape_annotations(ENGINE_PORT), **spec.pod_annotations},
+                    },
+                    "spec": pod_spec,
+                },
+            },
+        }
+
+    def engine_service(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.meta(engine_name(self.name), "engine"),
+            "spec": {
+                "clusterIP": "None",
+                "selector": selector_labels(self.name, "engine"),
+                "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+
+    # -- router --------------------------------------------------------------------------------
+
+    def router_tokenizer(self) -> str | None:
+        if self.spec.router.tokenizer:
+            return self.spec.router.tokenizer
+        return self.model_path()
+
+    def router_args(self) -> list[str]:
+        router = self.spec.router
+        args = [
+            "--host", "0.0.0.0",
+            "--port", str(ROUTER_PORT),
+            "--k8s-service", engine_name(self.name),
+            "--namespace", self.namespace,
+            "--target-port", str(ENGINE_PORT),
+            "--strategy", router.strategy,
+            "--mean-load-factor", str(router.mean_load_factor),
+            "--block-size", str(self.spec.engine.block_size),
+            "--model-name", self.served_model_name,
+        ]  # fmt: skip
+        tokenizer = self.router_tokenizer()
+        if tokenizer is not None:
+            args += ["--tokenizer", tokenizer]
+        return args + list(router.extra_args)
+
+    def router_deployment(self) -> dict[str, Any]:
+        router = self.spec.router
+        health = {"path": "/health", "port": "http"}
+        ready = {"path": "/ready", "port": "http"}  # 503 until an engine replica is ready
+        volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}]
+        mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": HF_HOME}]
+        if not router.tokenizer:  # the router reads the tokenizer from the model's own place
+            model_volumes, model_mounts = self.model_volumes()
+            volumes += model_volumes
+            mounts += model_mounts
+        container = {
+            "name": "router",
+            **self.container_common(self.router_image),
+            "command": ["pagedserve", "router"],
+            "args": self.router_args(),
+            # The router passes clients' Authorization on to the engines, and with the same key checks
+            # it itself at the edge (PAGEDSERVE_ROUTER_API_KEY), before tokenizing or proxying.
+            "env": self.common_env("PAGEDSERVE_API_KEY", "PAGEDSERVE_ROUTER_API_KEY"),
+            "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+            "resources": {
+                "requests": {"cpu": router.resources.cpu, "memory": router.resources.memory},
+                "limits": {"memory": router.resources.memory},
+            },
+            "readinessProbe": {
+                "httpGet": ready,
+                "periodSeconds": 5,
+                "failureThreshold": 3,
+                "timeoutSeconds": 5,
+            },
+            "livenessProbe": {
+                "httpGet": health,
+                "initialDelaySeconds": 30,
+                "periodSeconds": 15,
+                "failureThreshold": 4,
+                "timeoutSeconds": 10,
+            },
+            "volumeMounts": mounts,
+        }
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": self.meta(router_name(self.name), "router"),
+            "spec": {
+                "replicas": router.replicas,
+                "selector": {"matchLabels": selector_labels(self.name, "router")},
+                "template": {
+                    "metadata": {
+                        "labels": labels(self.name, "router"),
+                        "annotations": self.scrape_annotations(ROUTER_PORT),
+                    },
+                    "spec": {
+                        **self.pod_common(),
+                        "serviceAccountName": router_name(self.name),
+                        "containers": [container],
+                        "volumes": volumes,
+                    },
+                },
+            },
+        }
+
+    def router_service(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.meta(self.name, "router"),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector_labels(self.name, "router"),
+                "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            },
+        }
+
+    def router_service_account(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": self.meta(router_name(self.name), "router"),
+        }
+
+    def router_role(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": self.meta(router_name(self.name), "router"),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        }
+
+    def router_role_binding(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": self.meta(router_name(self.name), "router"),
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": router_name(self.name),
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": router_name(self.name), "namespace": self.namespace}
+            ],
+        }
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def pdb(self, name: str, component: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": self.meta(name, component),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(self.name, component)}},
+        }
+
+    def cache_pvc(self) -> dict[str, Any]:
+        cache = self.spec.model_cache
+        assert cache is not None
+        spec: dict[str, Any] = {
+            "accessModes": [cache.access_mode],
+            "resources": {"requests": {"storage": cache.size}},
+        }
+        if cache.storage_class_name:
+            spec["storageClassName"] = cache.storage_class_name
+        return {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": self.meta(cache_name(self.name), "cache"),
+            "spec": spec,
+        }
+
+    def hpa(self) -> dict[str, Any]:
+        scaling = self.spec.autoscaling
+        assert scaling is not None
+        return {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": self.meta(self.name, "autoscaler"),
+            "spec": {
+                # The ModelDeployment's scale subresource: the HPA writes spec.replicas, the operator
+                # copies it to the engine Deployment, so the two never fight over the Deployment.
+                "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": self.name},
+                "minReplicas": scaling.min_replicas,
+                "maxReplicas": scaling.max_replicas,
+                "metrics": [
+                    {
+                        "type": "Pods",
+                        "pods": {
+                            "metric": {"name": scaling.metric_name},
+                            "target": {
+                                "type": "AverageValue",
+                                "averageValue": quantity(scaling.target_waiting_requests),
+                            },
+                        },
+                    }
+                ],
+            },
+        }
+
+    def pod_monitor(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": self.meta(self.name, "monitoring"),
+            "spec": {
+                "selector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/name": APP_NAME,
+                        "app.kubernetes.io/instance": self.name,
+                    },
+                    "matchExpressions": [
+                        {
+                            "key": "app.kubernetes.io/component",
+                            "operator": "In",
+                            "values": ["engine", "router"],
+                        }
+                    ],
+                },
+                "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            },
+        }

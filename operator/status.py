@@ -1,0 +1,163 @@
+"""A ModelDeployment's status, computed from its children (pure: dicts in, a dict out).
+
+phase:
+- Failed       the children could not be applied, or a Deployment's rollout gave up
+               (ProgressDeadlineExceeded, ReplicaFailure)
+- Ready        every engine and router replica asked for is ready and up to date
+- Pending      nothing is ready yet and the resource has never been ready
+- Progressing  a rollout or scale-up is under way
+- Degraded     it was serving, and fewer replicas are ready now with no rollout to explain it
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from pagedserve.operator.resources import endpoint, label_selector
+
+PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Rollout:
+    """What one child Deployment says about itself."""
+
+    def __init__(self, deployment: dict[str, Any] | None, desired: int) -> None:
+        deployment = deployment or {}
+        status = deployment.get("status") or {}
+        self.exists = bool(deployment)
+        self.desired = desired
+        self.replicas = int(status.get("replicas") or 0)
+        self.ready = int(status.get("readyReplicas") or 0)
+        self.updated = int(status.get("updatedReplicas") or 0)
+        generation = (deployment.get("metadata") or {}).get("generation")
+        observed = status.get("observedGeneration")
+        self.observed = observed is not None and (generation is None or observed >= generation)
+        self.failure = ""
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "Progressing" and condition.get("status") == "False":
+                self.failure = condition.get("message") or condition.get("reason") or "rollout stuck"
+            if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+                self.failure = condition.get("message") or condition.get("reason") or "replica failure"
+
+    @property
+    def complete(self) -> bool:
+        if self.desired == 0:
+            return self.exists and self.replicas == 0
+        return self.observed and self.ready >= self.desired and self.updated >= self.desired
+
+    @property
+    def rolling(self) -> bool:
+        return not self.observed or self.updated < self.desired or self.replicas > self.desired
+
+
+def _condition(
+    type_: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+    previous: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = previous.get(type_) or {}
+    changed = before.get("status") != status
+    condition = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": _now()
+        if changed or not before.get("lastTransitionTime")
+        else before["lastTransitionTime"],
+    }
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    return condition
+
+
+def compute_status(
+    modeldeployment: dict[str, Any],
+    *,
+    engine: dict[str, Any] | None,
+    router: dict[str, Any] | None,
+    replicas: int,
+    router_replicas: int,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """The status the operator writes: engine/router from the live Deployments, error from applying."""
+    meta = modeldeployment.get("metadata") or {}
+    name, namespace = meta["name"], meta["namespace"]
+    generation = meta.get("generation")
+    previous_status = modeldeployment.get("status") or {}
+    previous = {c.get("type"): c for c in previous_status.get("conditions") or [] if isinstance(c, dict)}
+    was = previous_status.get("phase")
+
+    eng = Rollout(engine, replicas)
+    rtr = Rollout(router, router_replicas)
+    failure = (
+        error
+        or (f"engine: {eng.failure}" if eng.failure else "")
+        or (f"router: {rtr.failure}" if rtr.failure else "")
+    )
+    if failure:
+        phase = "Failed"
+    elif eng.complete and rtr.complete:
+        phase = "Ready"
+    elif eng.ready == 0 and rtr.ready == 0 and was in (None, "", "Pending"):
+        phase = "Pending"
+    elif eng.rolling or rtr.rolling or was in (None, "", "Pending", "Progressing", "Failed"):
+        phase = "Progressing"
+    else:
+        phase = "Degraded"
+
+    ready_message = f"engine {eng.ready}/{replicas} ready, router {rtr.ready}/{router_replicas} ready"
+    conditions = [
+        _condition(
+            "Reconciled",
+            error is None,
+            "ReconcileFailed" if error else "ReconcileSucceeded",
+            error or "all children applied",
+            generation,
+            previous,
+        ),
+        _condition(
+            "EngineReady",
+            eng.complete,
+            "ReplicasReady" if eng.complete else ("RolloutFailed" if eng.failure else "ReplicasNotReady"),
+            eng.failure or f"{eng.ready}/{replicas} engine replicas ready",
+            generation,
+            previous,
+        ),
+        _condition(
+            "RouterReady",
+            rtr.complete,
+            "ReplicasReady" if rtr.complete else ("RolloutFailed" if rtr.failure else "ReplicasNotReady"),
+            rtr.failure or f"{rtr.ready}/{router_replicas} router replicas ready",
+            generation,
+            previous,
+        ),
+        _condition("Ready", phase == "Ready", phase, failure or ready_message, generation, previous),
+    ]
+    status: dict[str, Any] = {
+        "phase": phase,
+        "replicas": eng.replicas,
+        "readyReplicas": eng.ready,
+        "routerReadyReplicas": rtr.ready,
+        "endpoint": endpoint(name, namespace),
+        "selector": label_selector(name, "engine"),
+        "conditions": conditions,
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status
+
+
+def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether writing ``new`` would change anything the operator owns in ``current``."""
+    current = current or {}
+    return any(current.get(key) != value for key, value in new.items())

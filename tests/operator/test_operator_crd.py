@@ -1,0 +1,235 @@
+"""crds/modeldeployment.yaml: its shape, its schema (structure, defaults, CEL rules), and that it agrees
+with the operator's typed spec (pagedserve/operator/spec.py)."""
+
+from __future__ import annotations
+
+import copy
+import typing
+from typing import Any
+
+import jsonschema
+import pytest
+from operator_schemas import CRDSchema, _structural_to_jsonschema, load_crd, swagger_errors
+from pagedserve.operator.spec import ModelDeploymentSpec, parse_spec
+from pydantic import ValidationError
+
+CRD = load_crd()
+(VERSION,) = CRD["spec"]["versions"]
+SCHEMA = CRDSchema(CRD)
+
+# DESIGN.md's example, as written there (its one-line `nodeSelector: {}, tolerations: [], ...` split up).
+EXAMPLE = {
+    "apiVersion": "pagedserve.io/v1alpha1",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "llama-8b", "namespace": "ml"},
+    "spec": {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "servedModelName": "llama-8b",
+        "replicas": 2,
+        "image": "registry.example/pagedserve:0.1.0",
+        "resources": {"gpus": 1, "gpuResourceName": "nvidia.com/gpu", "cpu": "8", "memory": "32Gi"},
+        "engine": {
+            "maxModelLen": 8192,
+            "blockSize": 16,
+            "gpuMemoryUtilization": 0.9,
+            "maxNumSeqs": 256,
+            "dtype": "bfloat16",
+            "extraArgs": [],
+        },
+        "router": {"replicas": 2, "strategy": "prefix-hash", "meanLoadFactor": 1.25},
+        "modelCache": {"storageClassName": "standard", "size": "50Gi"},
+        "hfTokenSecret": {"name": "hf-token", "key": "token"},
+        "apiKeySecret": {"name": "llm-api-key", "key": "key"},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 5},
+        "nodeSelector": {},
+        "tolerations": [],
+        "podAnnotations": {},
+        "env": [],
+    },
+}
+
+
+def with_spec(**changes: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(EXAMPLE)
+    for path, value in changes.items():
+        node = obj["spec"]
+        *parents, leaf = path.split("__")
+        for part in parents:
+            node = node[part]
+        if value is DELETE:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return obj
+
+
+DELETE = object()
+
+
+def test_the_crd_is_a_valid_kubernetes_object() -> None:
+    assert swagger_errors(CRD) == []
+    assert CRD["metadata"]["name"] == "modeldeployments.pagedserve.io"
+    spec = CRD["spec"]
+    assert spec["group"] == "pagedserve.io" and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "ModelDeployment" and spec["names"]["plural"] == "modeldeployments"
+    assert spec["names"]["shortNames"] == ["md"]
+    assert VERSION["name"] == "v1alpha1" and VERSION["served"] and VERSION["storage"]
+
+
+def test_status_and_scale_subresources() -> None:
+    assert VERSION["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+
+
+def test_printer_columns() -> None:
+    columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
+    assert columns["Model"]["jsonPath"] == ".spec.model"
+    assert columns["Replicas"]["jsonPath"] == ".spec.replicas"
+    assert columns["Ready"]["jsonPath"] == ".status.readyReplicas"
+    assert columns["Endpoint"]["jsonPath"] == ".status.endpoint"
+    assert columns["Age"] == {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+    names = [c["name"] for c in VERSION["additionalPrinterColumns"]]
+    assert names[0] == "Model" and names[-1] == "Age"
+
+
+def _walk(schema: dict[str, Any], path: str = "") -> Any:
+    yield path, schema
+    for name, sub in schema.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{name}" if path else name)
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_the_schema_is_structural_and_its_defaults_valid() -> None:
+    """What the API server demands of a v1 CRD: a type everywhere, defaults that validate."""
+    for path, node in _walk(SCHEMA.schema):
+        assert (
+            "type" in node
+            or node.get("x-kubernetes-int-or-string")
+            or node.get("x-kubernetes-preserve-unknown-fields")
+        ), f"{path} has no type"
+        if "default" in node:
+            validator = jsonschema.Draft4Validator(_structural_to_jsonschema(node))
+            assert list(validator.iter_errors(node["default"])) == [], path
+        if node.get("x-kubernetes-validations"):  # CEL cost needs bounded strings under rules
+            assert node.get("type") != "string" or "maxLength" in node or "enum" in node, path
+
+
+def test_design_example_is_accepted() -> None:
+    assert SCHEMA.errors(EXAMPLE) == []
+    assert (
+        SCHEMA.errors(
+            {
+                "apiVersion": "pagedserve.io/v1alpha1",
+                "kind": "ModelDeployment",
+                "metadata": {"name": "tiny"},
+                "spec": {"model": "embedded"},
+            }
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"replicas": -1}, "spec.replicas"),
+        ({"router__strategy": "random"}, "spec.router.strategy"),
+        ({"engine__blockSize": 12}, "spec.engine.blockSize"),
+        ({"engine__blockSize": 64}, "spec.engine.blockSize"),
+        ({"model": DELETE}, "spec.model"),
+        ({"model": ""}, "spec.model"),
+        ({"resources__gpus": -1}, "spec.resources.gpus"),
+        ({"resources__memory": "lots"}, "spec.resources.memory"),
+        ({"engine__gpuMemoryUtilization": 0}, "spec.engine.gpuMemoryUtilization"),
+        ({"engine__gpuMemoryUtilization": 1.5}, "spec.engine.gpuMemoryUtilization"),
+        ({"engine__dtype": "int8"}, "spec.engine.dtype"),
+        ({"router__meanLoadFactor": 0.5}, "spec.router.meanLoadFactor"),
+        ({"autoscaling__maxReplicas": DELETE}, "spec.autoscaling.maxReplicas"),
+        ({"autoscaling__targetWaitingRequests": 0}, "spec.autoscaling.targetWaitingRequests"),
+        ({"hfTokenSecret": {"key": "token"}}, "spec.hfTokenSecret.name"),
+        ({"bogus": 1}, "spec"),
+        # CEL rules (x-kubernetes-validations), spanning fields
+        (
+            {"autoscaling__minReplicas": 9},
+            "spec.autoscaling.maxReplicas must be >= spec.autoscaling.minReplicas",
+        ),
+        (
+            {"engine__maxNumBatchedTokens": 128},
+            "spec.engine.maxNumBatchedTokens must be >= spec.engine.maxNumSeqs",
+        ),
+        ({"model": "pvc://Not_A_Claim/x"}, "spec.model"),
+    ],
+)
+def test_bad_specs_are_rejected_naming_the_field(changes: dict[str, Any], field: str) -> None:
+    errors = SCHEMA.errors(with_spec(**changes))
+    assert errors, changes
+    assert any(field in error for error in errors), errors
+    # the operator's typed spec rejects the same spec, naming the same field
+    spec = SCHEMA.default(with_spec(**changes))["spec"]
+    with pytest.raises(ValidationError) as error:
+        parse_spec(spec)
+    from pagedserve.operator.spec import format_validation_error
+
+    named = format_validation_error(error.value)
+    leaf = field.split(" ")[0].rsplit(".", 1)[-1]
+    assert leaf in named or field.split(" ")[0] in named, named
+
+
+def test_immutable_cache_fields_on_update() -> None:
+    old = EXAMPLE
+    new = with_spec(modelCache__storageClassName="fast")
+    assert SCHEMA.errors(new) == []  # a new object may pick any class
+    assert any("storageClassName is immutable" in e for e in SCHEMA.errors(new, old=old))
+    assert SCHEMA.errors(with_spec(modelCache__size="80Gi"), old=old) == []  # growing is fine
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": "m"},
+        EXAMPLE["spec"],
+        {"model": "embedded", "resources": {"gpus": 0}},
+        {"model": "m", "autoscaling": {"maxReplicas": 3}, "modelCache": {}, "apiKeySecret": {"name": "k"}},
+        {"model": "m", "resources": {"cpu": 8, "memory": "1Gi"}, "router": {"resources": {"cpu": "500m"}}},
+    ],
+)
+def test_crd_defaults_agree_with_the_typed_spec(spec: dict[str, Any]) -> None:
+    """The API server's defaulting, then the operator's parsing, equals the operator's defaults alone."""
+    defaulted = SCHEMA.default({"spec": copy.deepcopy(spec)})["spec"]
+    assert parse_spec(defaulted) == parse_spec(spec)
+    dumped = parse_spec(defaulted).model_dump(by_alias=True, exclude_none=True)
+    # every field the typed spec has is in the CRD's schema, and the other way round
+    assert _fields(ModelDeploymentSpec) == _schema_fields(SCHEMA.schema["properties"]["spec"])
+    assert SCHEMA.errors({"spec": dumped}) == []
+
+
+def _fields(model: Any, prefix: str = "") -> set[str]:
+    out = set()
+    for name, info in model.model_fields.items():
+        alias = info.alias or name
+        out.add(prefix + alias)
+        annotation = info.annotation
+        if typing.get_origin(annotation) is list:
+            continue
+        for candidate in typing.get_args(annotation) or (annotation,):
+            if hasattr(candidate, "model_fields"):
+                out |= _fields(candidate, f"{prefix}{alias}.")
+    return out
+
+
+def _schema_fields(schema: dict[str, Any], prefix: str = "") -> set[str]:
+    out = set()
+    for name, sub in schema.get("properties", {}).items():
+        out.add(prefix + name)
+        if sub.get("type") == "object" and "properties" in sub:
+            out |= _schema_fields(sub, f"{prefix}{name}.")
+    return out

@@ -1,0 +1,367 @@
+"""The real operator (`pagedserve operator`, kopf) against kmock's Kubernetes emulator.
+
+The operator runs as a subprocess with a kubeconfig pointing at the emulator, exactly as it would run
+against a cluster; the test plays kubectl and the Deployment controller over HTTP.
+
+Emulator gaps worked around here: resources (v1/namespaces included, or kopf never starts watching) are
+declared up front; objects get metadata.uid/resourceVersion/generation from the test; there is no
+garbage collection, PUT or admission. Listing namespaces (GET /api/v1/namespaces) fails inside kmock 0.8,
+so the operator runs cluster-wide here (the --namespace mode differs only in kopf's watch URLs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+kmock = pytest.importorskip("kmock")
+pytest.importorskip("kopf")
+
+from pagedserve.operator import render  # noqa: E402
+from pagedserve.operator.resources import CHILD_KINDS, HASH_ANNOTATION  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+NS = "ml"
+MD_PATH = f"/apis/pagedserve.io/v1alpha1/namespaces/{NS}/modeldeployments"
+VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+RESOURCES = {
+    "v1/namespaces": dict(kind="Namespace", namespaced=False),
+    "v1/events": dict(kind="Event", namespaced=True),
+    "v1/services": dict(kind="Service", namespaced=True),
+    "v1/serviceaccounts": dict(kind="ServiceAccount", namespaced=True),
+    "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True),
+    "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
+    "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", namespaced=True),
+    "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", namespaced=True),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True),
+    "autoscaling/v2/horizontalpodautoscalers": dict(kind="HorizontalPodAutoscaler", namespaced=True),
+    "monitoring.coreos.com/v1/podmonitors": dict(kind="PodMonitor", namespaced=True),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
+        kind="CustomResourceDefinition", namespaced=False
+    ),
+    "pagedserve.io/v1alpha1/modeldeployments": dict(
+        kind="ModelDeployment", namespaced=True, subresources={"status", "scale"}
+    ),
+}
+
+
+def modeldeployment(name: str = "m1", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "pagedserve.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": f"uid-{name}",
+            "resourceVersion": "1",
+            "generation": 1,
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+        },
+        "spec": {
+            "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "replicas": 1,
+            "resources": {"gpus": 1},
+            "modelCache": {"size": "10Gi"},
+            "hfTokenSecret": {"name": "hf-token"},
+            "apiKeySecret": {"name": "api-key"},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4},
+            **spec,
+        },
+    }
+
+
+def child_path(manifest: dict[str, Any]) -> str:
+    api = manifest["apiVersion"]
+    prefix = "/api/v1" if api == "v1" else f"/apis/{api}"
+    plural = CHILD_KINDS[(api, manifest["kind"])]
+    return f"{prefix}/namespaces/{NS}/{plural}/{manifest['metadata']['name']}"
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    """Poll an async check until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator with a bounded request history, a log of every request as (method, path),
+    and names for objects created with metadata.generateName (kopf's Events), as the API server does.
+
+    kmock matches each request by scanning the whole request history (quadratic: 60 ms per request
+    after a few hundred); the emulated objects live elsewhere, so a short history changes nothing.
+    """
+
+    HISTORY = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[str, str]] = []
+
+    async def _handle(self, request: Any) -> Any:
+        self.log.append((request.method.upper(), request.url.path))
+        del self._requests[: -self.HISTORY]
+        meta = (
+            request.data.get("metadata")
+            if request.method == "POST" and isinstance(request.data, dict)
+            else None
+        )
+        if meta is not None and not meta.get("name") and meta.get("generateName"):
+            meta["name"] = f"{meta['generateName']}{len(self.log):05d}"
+        return await super()._handle(request)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[tuple[Emulator, httpx.AsyncClient]]:
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        for key, info in RESOURCES.items():
+            emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+        async with httpx.AsyncClient(base_url=str(server.url).rstrip("/"), timeout=10) as client:
+            yield emulator, client
+
+
+@contextlib.asynccontextmanager
+async def running_operator(url: str, workdir: Path, tag: str) -> AsyncIterator[Path]:
+    kubeconfig = workdir / "kubeconfig.yaml"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f'clusters: [{{name: kmock, cluster: {{server: "{url}"}}}}]\n'
+        "users: [{name: test, user: {token: test-token}}]\n"
+        "contexts: [{name: kmock, context: {cluster: kmock, user: test}}]\n"
+        "current-context: kmock\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = str(kubeconfig)
+    log = workdir / f"operator-{tag}.log"
+    with log.open("w") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pagedserve.cli", "operator", "--resync-seconds", "1", "--verbose",
+            cwd=workdir, env=env, stdout=out, stderr=out,
+        )  # fmt: skip
+        try:
+            yield log
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), 15)
+                except asyncio.TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+
+
+async def get(client: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
+    response = await client.get(path)
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    return response.json()
+
+
+async def merge_patch(client: httpx.AsyncClient, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+    response = await client.patch(path, json=patch, headers={"Content-Type": "application/merge-patch+json"})
+    response.raise_for_status()
+    return response.json()
+
+
+def writes_to(emulator: Emulator, paths: set[str]) -> list[str]:
+    """The writes the emulator saw on these objects, their subresources and (creates) their collections."""
+    collections = {path.rsplit("/", 1)[0] for path in paths}
+    return [
+        f"{method} {path}"
+        for method, path in emulator.log
+        if method != "GET"
+        and (path in paths or path.rsplit("/", 1)[0] in paths or (method == "POST" and path in collections))
+    ]
+
+
+async def test_operator_lifecycle(cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path) -> None:
+    emulator, client = cluster
+    url = str(client.base_url).rstrip("/")
+    md = modeldeployment()
+    expected = render(md)
+    assert {m["kind"] for m in expected} >= {"HorizontalPodAutoscaler", "PersistentVolumeClaim", "PodMonitor"}
+
+    (await client.post(MD_PATH, json=md)).raise_for_status()
+
+    async with running_operator(url, tmp_path, "first") as log:
+        # apply -> every child appears, owned and labelled; the status says where the endpoint is.
+        async def children() -> list[dict[str, Any]] | None:
+            found = [await get(client, child_path(m)) for m in expected]
+            return found if all(found) else None
+
+        live = await eventually(children, what="every child")
+        for manifest, obj in zip(expected, live, strict=True):
+            refs = obj["metadata"]["ownerReferences"]
+            assert refs == [
+                {
+                    "apiVersion": "pagedserve.io/v1alpha1",
+                    "kind": "ModelDeployment",
+                    "name": "m1",
+                    "uid": "uid-m1",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ], manifest["kind"]
+            assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagedserve-operator"
+            assert (
+                obj["metadata"]["annotations"][HASH_ANNOTATION]
+                == manifest["metadata"]["annotations"][HASH_ANNOTATION]
+            )
+
+        async def md_status() -> dict[str, Any]:
+            return (await get(client, f"{MD_PATH}/m1") or {}).get("status") or {}
+
+        status = await eventually(md_status, what="a status")
+        assert status["phase"] == "Pending"
+        assert status["endpoint"] == "http://m1.ml.svc/v1"
+        assert (await get(client, f"{MD_PATH}/m1"))["metadata"]["finalizers"] == ["pagedserve.io/finalizer"]
+
+        # change replicas (as the HPA would, through the spec) -> the engine Deployment follows.
+        engine_path = f"/apis/apps/v1/namespaces/{NS}/deployments/m1-engine"
+        router_path = f"/apis/apps/v1/namespaces/{NS}/deployments/m1-router"
+        await merge_patch(
+            client,
+            f"{MD_PATH}/m1",
+            {"metadata": {"generation": 2, "resourceVersion": "2"}, "spec": {"replicas": 3}},
+        )
+
+        async def engine_replicas() -> bool:
+            return (await get(client, engine_path))["spec"]["replicas"] == 3
+
+        await eventually(engine_replicas, what="engine Deployment at 3 replicas")
+
+        # the Deployment controller's part: every pod ready -> phase Ready, with the endpoint.
+        for path, replicas in ((engine_path, 3), (router_path, 2)):
+            ready = {"replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas}
+            await merge_patch(client, f"{path}/status", {"status": {**ready, "observedGeneration": 1}})
+
+        async def is_ready() -> dict[str, Any] | None:
+            status = await md_status()
+            return status if status.get("phase") == "Ready" else None
+
+        status = await eventually(is_ready, what="phase Ready")
+        assert status["readyReplicas"] == 3 and status["routerReadyReplicas"] == 2
+        assert status["endpoint"] == "http://m1.ml.svc/v1"
+        assert status["observedGeneration"] == 2
+        assert {c["type"]: c["status"] for c in status["conditions"]} == {
+            "Reconciled": "True",
+            "EngineReady": "True",
+            "RouterReady": "True",
+            "Ready": "True",
+        }
+
+        # drift repair: a deleted child comes back, an edited one is restored.
+        service_path = f"/api/v1/namespaces/{NS}/services/m1"
+        (await client.delete(service_path)).raise_for_status()
+        (
+            await client.delete(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/m1-router")
+        ).raise_for_status()
+        edited = copy.deepcopy((await get(client, engine_path))["spec"]["template"]["spec"]["containers"])
+        edited[0]["image"] = "someone/else:latest"
+        await merge_patch(client, engine_path, {"spec": {"template": {"spec": {"containers": edited}}}})
+
+        async def repaired() -> bool:
+            service = await get(client, service_path)
+            role = await get(client, f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/m1-router")
+            engine = await get(client, engine_path)
+            image = engine["spec"]["template"]["spec"]["containers"][0]["image"]
+            return bool(service and role and image == "pagedserve/pagedserve:0.1.0")
+
+        await eventually(repaired, what="deleted Service/Role recreated and edited image restored")
+        await asyncio.sleep(1.5)  # let the last reconcile round settle
+
+    # restart over existing objects -> nothing created, patched or deleted; children unchanged.
+    paths = {child_path(m) for m in render(await get(client, f"{MD_PATH}/m1"))}
+    before = {path: await get(client, path) for path in paths}
+    writes_before = len(writes_to(emulator, paths))
+    async with running_operator(url, tmp_path, "restart") as log:
+        await eventually(
+            lambda: _log_has(log, "Handler 'apply' succeeded"), what="the resume handler after the restart"
+        )
+        await asyncio.sleep(2.5)  # a couple of resync rounds too
+        assert writes_to(emulator, paths)[writes_before:] == []
+        assert {path: await get(client, path) for path in paths} == before
+
+        # delete the ModelDeployment -> the finalizer is released once, the children are removed.
+        (await client.delete(f"{MD_PATH}/m1")).raise_for_status()
+
+        async def gone() -> bool:
+            return await get(client, f"{MD_PATH}/m1") is None
+
+        await eventually(gone, what="the ModelDeployment released by its finalizer")
+        for path in paths:
+            assert await get(client, path) is None, path
+        await asyncio.sleep(2)
+        text = log.read_text()
+        assert text.count("Handler 'delete' succeeded") == 1, text
+        assert "Traceback" not in text and "[ERROR" not in text, text
+    first = (tmp_path / "operator-first.log").read_text()
+    assert "Traceback" not in first, first
+
+
+async def _log_has(log: Path, needle: str) -> bool:
+    return needle in log.read_text()
+
+
+async def test_failures_are_reported(cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path) -> None:
+    """A bad spec (no admission in the emulator) and a child the API refuses: status, one Event each."""
+    emulator, client = cluster
+    # The API server refuses one child of "partial" (e.g. RBAC): every other child is still applied.
+    pdb = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/partial-engine"
+    emulator[f"get {pdb}"] << 403
+    for md in (modeldeployment("bad", engine={"blockSize": 12}), modeldeployment("partial")):
+        (await client.post(MD_PATH, json=md)).raise_for_status()
+
+    async def failed(name: str) -> dict[str, Any] | None:
+        status = (await get(client, f"{MD_PATH}/{name}") or {}).get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+
+    async def warnings(reason: str, name: str) -> list[dict[str, Any]]:
+        events = (await get(client, f"/api/v1/namespaces/{NS}/events") or {}).get("items", [])
+        return [
+            e
+            for e in events
+            if e.get("reason") == reason
+            and e.get("type") == "Warning"
+            and e["involvedObject"]["name"] == name
+        ]
+
+    async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "failures"):
+        status = await eventually(lambda: failed("bad"), what="phase Failed for the bad spec")
+        reconciled = {c["type"]: c for c in status["conditions"]}["Reconciled"]
+        assert reconciled["status"] == "False" and "spec.engine.blockSize" in reconciled["message"]
+        (event,) = await eventually(lambda: warnings("InvalidSpec", "bad"), what="an InvalidSpec Event")
+        assert "spec.engine.blockSize" in event["message"]
+        assert await get(client, f"/apis/apps/v1/namespaces/{NS}/deployments/bad-engine") is None
+
+        status = await eventually(lambda: failed("partial"), what="phase Failed for the refused child")
+        reconciled = {c["type"]: c for c in status["conditions"]}["Reconciled"]
+        assert (
+            "PodDisruptionBudget/partial-engine" in reconciled["message"] and "403" in reconciled["message"]
+        )
+        (event,) = await eventually(
+            lambda: warnings("ReconcileFailed", "partial"), what="a ReconcileFailed Event"
+        )
+        assert "PodDisruptionBudget/partial-engine" in event["message"]
+        assert await get(client, f"/apis/apps/v1/namespaces/{NS}/deployments/partial-engine") is not None
+
+        await asyncio.sleep(2.5)  # resync rounds meet the same failures: no new Events, no storm
+        assert len(await warnings("InvalidSpec", "bad")) == 1
+        assert len(await warnings("ReconcileFailed", "partial")) == 1

@@ -1,0 +1,48 @@
+"""`pagedserve operator`: the command line reaches kopf with the right scope and options."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import kopf
+import pytest
+from pagedserve.operator import handlers, main
+
+from pagedserve.cli import build_parser
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def operator(**kwargs: Any) -> None:
+        seen.update(kwargs)
+
+    monkeypatch.setattr(kopf, "operator", operator)
+    monkeypatch.setattr(kopf, "configure", lambda **_: None)  # no global logging changes in tests
+    monkeypatch.setattr(handlers, "STATE", handlers._State())
+    return seen
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["operator", *argv])
+
+
+def test_all_namespaces_by_default(captured: dict[str, Any]) -> None:
+    assert main.run(parse()) == 0
+    assert captured["clusterwide"] is True and list(captured["namespaces"]) == []
+    assert captured["standalone"] is True and captured["liveness_endpoint"] is None
+
+
+def test_namespaces_and_options(captured: dict[str, Any]) -> None:
+    args = parse(
+        "--namespace", "ml", "-n", "team-*", "--resync-seconds", "5", "--default-image", "reg/engine:2",
+        "--liveness", "http://0.0.0.0:8080/healthz", "--peering", "pagedserve",
+    )  # fmt: skip
+    assert main.run(args) == 0
+    assert captured["clusterwide"] is False and captured["namespaces"] == ["ml", "team-*"]
+    assert captured["standalone"] is False and captured["peering_name"] == "pagedserve"
+    assert captured["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
+    assert handlers.STATE.resync_seconds == 5
+    assert handlers.STATE.options.default_image == "reg/engine:2"

@@ -1,0 +1,432 @@
+"""render(): every child manifest of a ModelDeployment, checked against Kubernetes 1.36's OpenAPI schema."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from operator_schemas import swagger_errors
+from pagedserve.operator import render
+from pagedserve.operator.resources import HASH_ANNOTATION, spec_hash
+from pydantic import ValidationError
+
+UID = "0f3c2c52-7d0e-4a53-a1f9-9a8e1e0a1b2c"
+
+
+def md(name: str = "llama-8b", namespace: str = "ml", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "pagedserve.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": namespace, "uid": UID, "generation": 1},
+        "spec": {"model": "meta-llama/Llama-3.1-8B-Instruct", **spec},
+    }
+
+
+SPECS: dict[str, dict[str, Any]] = {
+    "defaults": md(),
+    "design-example": md(
+        servedModelName="llama-8b",
+        replicas=2,
+        image="registry.example/pagedserve:0.1.0",
+        resources={"gpus": 1, "gpuResourceName": "nvidia.com/gpu", "cpu": "8", "memory": "32Gi"},
+        engine={
+            "maxModelLen": 8192,
+            "blockSize": 16,
+            "gpuMemoryUtilization": 0.9,
+            "maxNumSeqs": 256,
+            "dtype": "bfloat16",
+            "extraArgs": [],
+        },
+        router={"replicas": 2, "strategy": "prefix-hash", "meanLoadFactor": 1.25},
+        modelCache={"storageClassName": "standard", "size": "50Gi"},
+        hfTokenSecret={"name": "hf-token", "key": "token"},
+        apiKeySecret={"name": "llm-api-key", "key": "key"},
+        autoscaling={"minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 5},
+        nodeSelector={},
+        tolerations=[],
+        podAnnotations={},
+        env=[],
+    ),
+    "gpus": md(
+        resources={
+            "gpus": 4,
+            "gpuResourceName": "amd.com/gpu",
+            "cpu": 16,
+            "memory": "128Gi",
+            "shmSize": "16Gi",
+        },
+        nodeSelector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+        tolerations=[{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        podAnnotations={"team": "ml"},
+    ),
+    "cpu": md(model="embedded", resources={"gpus": 0}, router={"replicas": 1, "strategy": "round-robin"}),
+    "autoscaling": md(replicas=2, autoscaling={"maxReplicas": 10, "targetWaitingRequests": 0.5}),
+    "secrets": md(hfTokenSecret={"name": "hf"}, apiKeySecret={"name": "api", "key": "token"}),
+    "extra-args": md(
+        engine={
+            "extraArgs": ["--enforce-eager", "--seed", "7"],
+            "enablePrefixCaching": False,
+            "maxNumBatchedTokens": 4096,
+            "maxModelLen": 2048,
+        },
+        router={"extraArgs": ["--max-retries", "5"], "tokenizer": "meta-llama/Llama-3.1-8B-Instruct"},
+        env=[
+            {"name": "LOG_LEVEL", "value": "debug"},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        imagePullPolicy="Always",
+        imagePullSecrets=[{"name": "registry"}],
+    ),
+    "pvc-model": md(
+        model="pvc://weights/llama/8b", modelCache={"size": "20Gi", "accessMode": "ReadWriteMany"}
+    ),
+}
+
+
+def by_kind(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def container(children: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (deployment,) = [c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == name]
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_every_child_validates_and_is_owned(case: str) -> None:
+    modeldeployment = SPECS[case]
+    children = render(modeldeployment)
+    name = modeldeployment["metadata"]["name"]
+    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children)
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "pagedserve.io/v1alpha1",
+                "kind": "ModelDeployment",
+                "name": name,
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "pagedserve"
+        assert labels["app.kubernetes.io/instance"] == name
+        assert labels["app.kubernetes.io/managed-by"] == "pagedserve-operator"
+        assert labels["app.kubernetes.io/component"]
+        assert meta["annotations"][HASH_ANNOTATION] == spec_hash(child)
+        if child["kind"] == "PodMonitor":
+            check_podmonitor(child)
+        else:
+            assert swagger_errors(child) == [], f"{child['kind']}/{meta['name']}"
+
+
+def check_podmonitor(monitor: dict[str, Any]) -> None:
+    """monitoring.coreos.com/v1 PodMonitor is a CRD, not in the swagger: check its shape by hand."""
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = monitor["spec"]
+    assert set(spec) <= {
+        "selector",
+        "podMetricsEndpoints",
+        "namespaceSelector",
+        "jobLabel",
+        "podTargetLabels",
+    }
+    assert isinstance(spec["selector"]["matchLabels"], dict)
+    for expression in spec["selector"].get("matchExpressions", []):
+        assert expression["operator"] in {"In", "NotIn", "Exists", "DoesNotExist"}
+    for endpoint in spec["podMetricsEndpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scheme", "scrapeTimeout", "honorLabels"}
+        assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+
+
+def test_the_validator_is_strict() -> None:
+    """The schema check would catch unknown fields, bad types and bad quantities deep in a manifest."""
+    deployment = copy.deepcopy(render(SPECS["defaults"])[0])
+    spec = deployment["spec"]["template"]["spec"]
+    spec["containers"][0]["bogus"] = 1
+    spec["containers"][0]["resources"]["limits"]["memory"] = "lots"
+    spec["containers"][0]["ports"][0]["containerPort"] = "8000"
+    spec["containers"][0]["readinessProbe"]["httpGet"]["port"] = 8000  # int-or-string: fine
+    errors = swagger_errors(deployment)
+    assert any("containers.0: Additional properties" in e and "bogus" in e for e in errors), errors
+    assert any("limits.memory" in e for e in errors), errors
+    assert any("containerPort" in e for e in errors), errors
+    assert len(errors) == 3, errors
+
+
+def test_children_and_names() -> None:
+    children = by_kind(render(SPECS["design-example"]))
+    assert sorted(children) == sorted(
+        [
+            ("Deployment", "llama-8b-engine"),
+            ("Service", "llama-8b-engine"),
+            ("Deployment", "llama-8b-router"),
+            ("Service", "llama-8b"),
+            ("ServiceAccount", "llama-8b-router"),
+            ("Role", "llama-8b-router"),
+            ("RoleBinding", "llama-8b-router"),
+            ("PersistentVolumeClaim", "llama-8b-cache"),
+            ("HorizontalPodAutoscaler", "llama-8b"),
+            ("PodDisruptionBudget", "llama-8b-engine"),
+            ("PodDisruptionBudget", "llama-8b-router"),
+            ("PodMonitor", "llama-8b"),
+        ]
+    )
+    kinds = {c["kind"] for c in render(SPECS["defaults"], with_podmonitor=False)}
+    assert "PodMonitor" not in kinds and "HorizontalPodAutoscaler" not in kinds
+    assert "PersistentVolumeClaim" not in kinds
+
+
+def test_engine_on_gpus() -> None:
+    children = render(SPECS["design-example"])
+    deployment = by_kind(children)[("Deployment", "llama-8b-engine")]
+    pod = deployment["spec"]["template"]["spec"]
+    engine = container(children, "llama-8b-engine")
+    assert deployment["spec"]["replicas"] == 2
+    assert engine["image"] == "registry.example/pagedserve:0.1.0"
+    assert engine["command"] == ["pagedserve", "serve"]
+    assert engine["args"] == [
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "llama-8b",
+        "--device", "cuda", "--dtype", "bfloat16", "--block-size", "16", "--max-num-seqs", "256",
+        "--max-model-len", "8192", "--gpu-memory-utilization", "0.9",
+    ]  # fmt: skip
+    assert engine["resources"] == {
+        "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"},
+    }
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nodeSelector" not in pod
+    # probes on /health, a startup probe long enough for loading a model (30 min by default)
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+    assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    # /dev/shm in memory, the model cache PVC at HF_HOME
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    hf_home = env_of(engine)["HF_HOME"]
+    assert volumes[mounts[hf_home]]["persistentVolumeClaim"] == {"claimName": "llama-8b-cache"}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8000",
+        "prometheus.io/path": "/metrics",
+    }
+    pvc = by_kind(children)[("PersistentVolumeClaim", "llama-8b-cache")]
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "50Gi"}},
+        "storageClassName": "standard",
+    }
+
+
+def test_gpu_resource_name_tolerations_and_node_selector() -> None:
+    children = render(SPECS["gpus"])
+    engine = container(children, "llama-8b-engine")
+    pod = by_kind(children)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
+    assert engine["resources"]["limits"] == {"memory": "128Gi", "amd.com/gpu": "4"}
+    assert engine["resources"]["requests"]["cpu"] == "16"
+    assert pod["tolerations"] == [
+        {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"},
+    ]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
+    template = by_kind(children)[("Deployment", "llama-8b-engine")]["spec"]["template"]["metadata"]
+    assert template["annotations"]["team"] == "ml"
+
+
+def test_cpu_deployment_of_the_embedded_model() -> None:
+    children = render(SPECS["cpu"])
+    engine = container(children, "llama-8b-engine")
+    pod = by_kind(children)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
+    # "embedded": no model argument, so `pagedserve serve` serves its embedded default model
+    assert engine["args"][:2] == ["--host", "0.0.0.0"]
+    assert engine["args"][engine["args"].index("--device") + 1] == "cpu"
+    assert "--gpu-memory-utilization" not in engine["args"]
+    assert not any("gpu" in key for key in engine["resources"]["limits"])
+    assert "tolerations" not in pod
+    assert engine["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+    router = container(children, "llama-8b-router")
+    assert "--tokenizer" not in router["args"]
+    assert router["args"][router["args"].index("--strategy") + 1] == "round-robin"
+    assert by_kind(children)[("Deployment", "llama-8b-router")]["spec"]["replicas"] == 1
+
+
+def test_router_deployment_service_and_rbac() -> None:
+    children = by_kind(render(SPECS["design-example"]))
+    router = container(list(children.values()), "llama-8b-router")
+    assert router["command"] == ["pagedserve", "router"]
+    args = router["args"]
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags == {
+        "--host": "0.0.0.0",
+        "--port": "8000",
+        "--k8s-service": "llama-8b-engine",
+        "--namespace": "ml",
+        "--target-port": "8000",
+        "--strategy": "prefix-hash",
+        "--mean-load-factor": "1.25",
+        "--block-size": "16",
+        "--model-name": "llama-8b",
+        "--tokenizer": "meta-llama/Llama-3.1-8B-Instruct",
+    }
+    assert router["image"] == "pagedserve/pagedserve-control:0.1.0"
+    assert router["readinessProbe"]["httpGet"]["path"] == "/ready"
+    pod = children[("Deployment", "llama-8b-router")]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-8b-router"
+    # the endpoint: a ClusterIP Service named after the ModelDeployment, on port 80
+    service = children[("Service", "llama-8b")]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    headless = children[("Service", "llama-8b-engine")]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"]["app.kubernetes.io/component"] == "engine"
+    assert children[("Role", "llama-8b-router")]["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = children[("RoleBinding", "llama-8b-router")]
+    assert binding["roleRef"]["name"] == "llama-8b-router"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-8b-router", "namespace": "ml"}]
+
+
+def test_autoscaling_targets_the_scale_subresource() -> None:
+    children = by_kind(render(SPECS["autoscaling"]))
+    hpa = children[("HorizontalPodAutoscaler", "llama-8b")]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"] == {
+        "scaleTargetRef": {
+            "apiVersion": "pagedserve.io/v1alpha1",
+            "kind": "ModelDeployment",
+            "name": "llama-8b",
+        },
+        "minReplicas": 1,
+        "maxReplicas": 10,
+        "metrics": [
+            {
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": "vllm_num_requests_waiting"},
+                    "target": {"type": "AverageValue", "averageValue": "500m"},
+                },
+            }
+        ],
+    }
+    # the operator copies spec.replicas (which the HPA writes) to the engine Deployment
+    assert children[("Deployment", "llama-8b-engine")]["spec"]["replicas"] == 2
+
+
+def test_secrets_become_env() -> None:
+    children = render(SPECS["secrets"])
+    engine = env_of(container(children, "llama-8b-engine"))
+    router = env_of(container(children, "llama-8b-router"))
+    hf = {"secretKeyRef": {"name": "hf", "key": "token"}}
+    api = {"secretKeyRef": {"name": "api", "key": "token"}}
+    assert engine["HF_TOKEN"] == hf and engine["PAGEDSERVE_API_KEY"] == api
+    assert router["HF_TOKEN"] == hf and router["PAGEDSERVE_API_KEY"] == api
+    assert router["PAGEDSERVE_ROUTER_API_KEY"] == api
+    engine_args = container(children, "llama-8b-engine")["args"]
+    assert "--api-key" not in engine_args  # never on the command line
+    none = env_of(container(render(SPECS["defaults"]), "llama-8b-engine"))
+    assert "HF_TOKEN" not in none and "PAGEDSERVE_API_KEY" not in none
+
+
+def test_extra_args_and_env() -> None:
+    children = render(SPECS["extra-args"])
+    engine = container(children, "llama-8b-engine")
+    args = engine["args"]
+    assert args[-3:] == ["--enforce-eager", "--seed", "7"]
+    assert "--no-enable-prefix-caching" in args
+    assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert args[args.index("--max-model-len") + 1] == "2048"
+    assert env_of(engine)["LOG_LEVEL"] == "debug"
+    assert env_of(engine)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert engine["imagePullPolicy"] == "Always"
+    router = container(children, "llama-8b-router")
+    assert router["args"][-2:] == ["--max-retries", "5"]
+    for deployment in ("llama-8b-engine", "llama-8b-router"):
+        pod = by_kind(children)[("Deployment", deployment)]["spec"]["template"]["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def test_pvc_model_is_mounted_read_only() -> None:
+    children = render(SPECS["pvc-model"])
+    for name in ("llama-8b-engine", "llama-8b-router"):
+        pod = by_kind(children)[("Deployment", name)]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+        assert mount["readOnly"] is True
+    engine = container(children, "llama-8b-engine")
+    assert engine["args"][0] == "/model-pvc/llama/8b"
+    router = container(children, "llama-8b-router")
+    assert router["args"][router["args"].index("--tokenizer") + 1] == "/model-pvc/llama/8b"
+    pvc = by_kind(children)[("PersistentVolumeClaim", "llama-8b-cache")]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and "storageClassName" not in pvc["spec"]
+
+
+def test_render_is_pure_and_the_hash_follows_the_spec() -> None:
+    modeldeployment = SPECS["design-example"]
+    snapshot = copy.deepcopy(modeldeployment)
+    first, second = render(modeldeployment), render(modeldeployment)
+    assert first == second and modeldeployment == snapshot
+    changed = copy.deepcopy(modeldeployment)
+    changed["spec"]["replicas"] = 3
+    hashes = {c["metadata"]["name"] + c["kind"]: c["metadata"]["annotations"][HASH_ANNOTATION] for c in first}
+    after = {
+        c["metadata"]["name"] + c["kind"]: c["metadata"]["annotations"][HASH_ANNOTATION]
+        for c in render(changed)
+    }
+    assert {key for key in hashes if hashes[key] != after[key]} == {"llama-8b-engineDeployment"}
+
+
+def test_default_images_come_from_the_operator() -> None:
+    children = render(SPECS["defaults"], default_image="reg/engine:1", default_router_image="reg/control:1")
+    assert container(children, "llama-8b-engine")["image"] == "reg/engine:1"
+    assert container(children, "llama-8b-router")["image"] == "reg/control:1"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"model": "m", "replicas": -1}, "spec.replicas"),
+        ({"model": "m", "router": {"strategy": "random"}}, "spec.router.strategy"),
+        ({"model": "m", "engine": {"blockSize": 12}}, "spec.engine.blockSize"),
+        ({"replicas": 1}, "spec.model"),
+        ({"model": "m", "resources": {"gpus": -1}}, "spec.resources.gpus"),
+        ({"model": "m", "resources": {"memory": "lots"}}, "spec.resources.memory"),
+        ({"model": "m", "bogus": True}, "spec.bogus"),
+    ],
+)
+def test_bad_specs_are_rejected_naming_the_field(spec: dict[str, Any], field: str) -> None:
+    from pagedserve.operator.spec import format_validation_error
+
+    bad = md()
+    bad["spec"] = spec
+    with pytest.raises(ValidationError) as error:
+        render(bad)
+    assert field in format_validation_error(error.value)
+
+
+def test_missing_metadata_is_an_error() -> None:
+    bad = md()
+    del bad["metadata"]["uid"]
+    with pytest.raises(ValueError, match=r"metadata\.uid"):
+        render(bad)

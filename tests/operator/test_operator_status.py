@@ -1,0 +1,108 @@
+"""Status from the children (pure), and the drift comparison reconcile uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.operator.reconcile import contains
+from pagedserve.operator.status import compute_status, status_changed
+
+MD = {"metadata": {"name": "m", "namespace": "ml", "generation": 3}}
+
+
+def deployment(replicas: int, ready: int, updated: int | None = None, **extra: Any) -> dict[str, Any]:
+    status = {
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": replicas if updated is None else updated,
+    }
+    status.update(observedGeneration=2, **extra)
+    return {"metadata": {"generation": 2}, "status": status}
+
+
+def status(engine: Any, router: Any, previous: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+    md = {**MD, "status": previous or {}}
+    return compute_status(
+        md,
+        engine=engine,
+        router=router,
+        replicas=kw.pop("replicas", 2),
+        router_replicas=kw.pop("router_replicas", 2),
+        **kw,
+    )
+
+
+def test_pending_then_progressing_then_ready() -> None:
+    pending = status({"metadata": {"generation": 1}}, {"metadata": {"generation": 1}})
+    assert pending["phase"] == "Pending"
+    assert pending["endpoint"] == "http://m.ml.svc/v1"
+    assert pending["observedGeneration"] == 3
+    assert pending["selector"] == (
+        "app.kubernetes.io/name=pagedserve,app.kubernetes.io/instance=m,app.kubernetes.io/component=engine"
+    )
+    progressing = status(deployment(2, 1), deployment(2, 2), previous=pending)
+    assert progressing["phase"] == "Progressing"
+    ready = status(deployment(2, 2), deployment(2, 2), previous=progressing)
+    assert ready["phase"] == "Ready"
+    assert (ready["replicas"], ready["readyReplicas"], ready["routerReadyReplicas"]) == (2, 2, 2)
+    conditions = {c["type"]: c for c in ready["conditions"]}
+    assert conditions["Ready"]["status"] == "True" and conditions["Reconciled"]["status"] == "True"
+
+
+def test_degraded_when_a_ready_deployment_loses_replicas() -> None:
+    ready = status(deployment(2, 2), deployment(2, 2))
+    degraded = status(deployment(2, 1), deployment(2, 2), previous=ready)
+    assert degraded["phase"] == "Degraded"
+    assert {c["type"]: c["status"] for c in degraded["conditions"]}["EngineReady"] == "False"
+    # a rollout (new pods not yet updated) is progress, not degradation
+    rolling = status(deployment(3, 2, updated=1), deployment(2, 2), previous=ready)
+    assert rolling["phase"] == "Progressing"
+
+
+def test_failed_on_errors_and_stuck_rollouts() -> None:
+    failed = status(None, None, error="Deployment/m-engine: 403 Forbidden")
+    assert failed["phase"] == "Failed"
+    reconciled = {c["type"]: c for c in failed["conditions"]}["Reconciled"]
+    assert reconciled["status"] == "False" and "403" in reconciled["message"]
+    deadline = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": "stuck",
+    }
+    stuck = deployment(2, 0, conditions=[deadline])
+    assert status(stuck, deployment(2, 2))["phase"] == "Failed"
+    quota = deployment(
+        2, 0, conditions=[{"type": "ReplicaFailure", "status": "True", "message": "exceeded quota"}]
+    )
+    assert "exceeded quota" in {c["type"]: c for c in status(quota, None)["conditions"]}["Ready"]["message"]
+
+
+def test_transition_times_only_move_on_transitions() -> None:
+    first = status(deployment(2, 2), deployment(2, 2))
+    for condition in first["conditions"]:
+        condition["lastTransitionTime"] = "2020-01-01T00:00:00Z"
+    again = status(deployment(2, 2), deployment(2, 2), previous=first)
+    assert not status_changed(first, again)  # nothing to write: idempotent
+    later = status(deployment(2, 1), deployment(2, 2), previous=first)
+    times = {c["type"]: c["lastTransitionTime"] for c in later["conditions"]}
+    assert times["Reconciled"] == "2020-01-01T00:00:00Z"
+    assert times["EngineReady"] != "2020-01-01T00:00:00Z"
+    assert status_changed(first, later)
+
+
+def test_scaled_to_zero() -> None:
+    zero = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1}}
+    assert status(zero, deployment(2, 2), replicas=0)["phase"] == "Ready"
+
+
+def test_contains_is_a_deep_subset() -> None:
+    want = {"spec": {"replicas": 2, "ports": [{"port": 80}], "selector": {"a": "b"}}}
+    have = {
+        "spec": {"replicas": 2, "ports": [{"port": 80, "protocol": "TCP"}], "selector": {"a": "b"}, "x": 1}
+    }
+    assert contains(want, have)
+    assert not contains(want, {"spec": {**have["spec"], "replicas": 3}})
+    assert not contains(want, {"spec": {**have["spec"], "ports": [{"port": 80}, {"port": 81}]}})
+    assert not contains(want, {"spec": {"replicas": 2, "ports": [{"port": 80}]}})
+    assert contains({"a": 1.0}, {"a": 1}) and not contains({"a": True}, {"a": 1})
