@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -32,7 +33,7 @@ NON_DEFAULT = {
         "imagePullSecrets": [{"name": "regcred"}],
         "watchNamespaces": ["ml", "ml-staging"],
         "verbose": True,
-        "extraArgs": ["--custom-flag"],
+        "extraArgs": ["--resync-seconds=30"],
         "env": [{"name": "EXTRA", "value": "1"}],
         "defaults": {"engineImage": "registry.internal/ml/pagedserve:9.9.9", "routerImage": "r/x:1"},
         "resources": {"requests": {"cpu": 1, "memory": "256Mi"}},
@@ -151,7 +152,7 @@ def test_operator_deployment_follows_values() -> None:
         "--default-image=registry.internal/ml/pagedserve:9.9.9",
         "--default-router-image=r/x:1",
         "--verbose",
-        "--custom-flag",
+        "--resync-seconds=30",
     ]
     assert container["env"] == [{"name": "EXTRA", "value": "1"}]
     binding = one(objects, "ClusterRoleBinding")
@@ -170,6 +171,17 @@ def test_default_operator_args() -> None:
         f"--default-router-image={container['image']}",
     ]
     assert "env" not in container
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_operator_args_are_the_operators_flags(case: str) -> None:
+    """`pagedserve operator` accepts the arguments the chart renders."""
+    main = pytest.importorskip("pagedserve.operator.main")
+    parser = argparse.ArgumentParser(prog="pagedserve operator")
+    main.add_arguments(parser)
+    (container,) = one(render(CASES[case]), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "operator"
+    parser.parse_args(container["args"][1:])  # exits (SystemExit) on an unknown flag
 
 
 def test_several_replicas_need_peering() -> None:
