@@ -121,7 +121,7 @@ async def reconcile(
     options = options or Options()
     logger = logger or logging.getLogger(__name__)
     meta = modeldeployment["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    name, uid = meta["name"], meta["uid"]
 
     try:
         spec = parse_spec(modeldeployment.get("spec"))
@@ -152,13 +152,8 @@ async def reconcile(
     for api_version, kind, child in potential_children(name):
         if (api_version, kind, child) in rendered:
             continue
-        plural = CHILD_KINDS[(api_version, kind)]
         try:
-            if (api_version, plural) == PODMONITOR_API and not with_podmonitor:
-                continue
-            existing = await kube.get(api_version, plural, namespace, child)
-            if existing is not None and _owned(existing, uid, name):
-                await kube.delete(api_version, plural, namespace, child)
+            if await _delete_owned(kube, modeldeployment, api_version, kind, child, with_podmonitor):
                 result.deleted.append(f"{kind}/{child}")
         except KubeError as error:
             result.errors.append(f"{kind}/{child}: {error}")
@@ -186,18 +181,25 @@ async def write_status(kube: Kube, modeldeployment: dict[str, Any], status: dict
     await kube.merge_patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], {"status": status}, "status")
 
 
+async def _delete_owned(
+    kube: Kube, modeldeployment: dict[str, Any], api_version: str, kind: str, child: str, podmonitors: bool
+) -> bool:
+    """Delete one potential child if it exists and is this ModelDeployment's; True if it was deleted."""
+    meta = modeldeployment["metadata"]
+    plural = CHILD_KINDS[(api_version, kind)]
+    if (api_version, plural) == PODMONITOR_API and not podmonitors:
+        return False  # the API is not served: there is nothing to delete
+    existing = await kube.get(api_version, plural, meta["namespace"], child)
+    if existing is None or not _owned(existing, meta.get("uid", ""), meta["name"]):
+        return False
+    return await kube.delete(api_version, plural, meta["namespace"], child)
+
+
 async def delete_children(kube: Kube, modeldeployment: dict[str, Any]) -> list[str]:
     """Delete every child this ModelDeployment owns (the garbage collector would too, eventually)."""
-    meta = modeldeployment["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
-    deleted = []
     with_podmonitor = await kube.served(*PODMONITOR_API)
-    for api_version, kind, child in potential_children(name):
-        plural = CHILD_KINDS[(api_version, kind)]
-        if (api_version, plural) == PODMONITOR_API and not with_podmonitor:
-            continue
-        existing = await kube.get(api_version, plural, namespace, child)
-        owned = existing is not None and _owned(existing, uid, name)
-        if owned and await kube.delete(api_version, plural, namespace, child):
+    deleted = []
+    for api_version, kind, child in potential_children(modeldeployment["metadata"]["name"]):
+        if await _delete_owned(kube, modeldeployment, api_version, kind, child, with_podmonitor):
             deleted.append(f"{kind}/{child}")
     return deleted

@@ -76,6 +76,22 @@ def test_the_crd_is_a_valid_kubernetes_object() -> None:
     assert VERSION["name"] == "v1alpha1" and VERSION["served"] and VERSION["storage"]
 
 
+def test_status_schema_matches_what_the_operator_writes() -> None:
+    from pagedserve.operator.status import PHASES, compute_status
+
+    status_schema = SCHEMA.schema["properties"]["status"]
+    assert tuple(status_schema["properties"]["phase"]["enum"]) == PHASES
+    written = compute_status(
+        {"metadata": {"name": "m", "namespace": "ml", "generation": 1}},
+        engine=None,
+        router=None,
+        replicas=1,
+        router_replicas=1,
+        error="boom",
+    )
+    assert SCHEMA.errors({**EXAMPLE, "status": written}) == []
+
+
 def test_status_and_scale_subresources() -> None:
     assert VERSION["subresources"] == {
         "status": {},
