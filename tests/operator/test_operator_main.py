@@ -9,8 +9,6 @@ import kopf
 import pytest
 from pagedserve.operator import handlers, main
 
-from pagedserve.cli import build_parser
-
 
 @pytest.fixture
 def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -26,7 +24,9 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["operator", *argv])
+    parser = argparse.ArgumentParser(prog="pagedserve operator")
+    main.add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 def test_all_namespaces_by_default(captured: dict[str, Any]) -> None:
