@@ -49,6 +49,8 @@ def quantity(value: Any) -> str:
         if abs(milli / 1000 - value) > 1e-9:
             raise ValueError(f"{value} has more than 3 decimal places")
         return f"{milli}m"
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+\.[0-9]+", value):
+        return quantity(float(value))  # "0.5" -> "500m", as the API server would store it
     if isinstance(value, str) and QUANTITY_RE.match(value):
         return value
     raise ValueError(f"{value!r} is not a quantity such as 8, 500m or 32Gi")

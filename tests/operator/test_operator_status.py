@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.operator.reconcile import contains
+from pagedserve.operator.spec import quantity
 from pagedserve.operator.status import compute_status, status_changed
 
 MD = {"metadata": {"name": "m", "namespace": "ml", "generation": 3}}
@@ -94,6 +95,13 @@ def test_transition_times_only_move_on_transitions() -> None:
 def test_scaled_to_zero() -> None:
     zero = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1}}
     assert status(zero, deployment(2, 2), replicas=0)["phase"] == "Ready"
+
+
+def test_quantities_are_written_as_the_api_server_stores_them() -> None:
+    """Otherwise the drift check would see a difference after every round trip."""
+    assert [quantity(v) for v in (8, 8.0, 0.5, "0.5", "1.0", "500m", "32Gi", "1e3")] == [
+        "8", "8", "500m", "500m", "1", "500m", "32Gi", "1e3",
+    ]  # fmt: skip
 
 
 def test_contains_is_a_deep_subset() -> None:
