@@ -1,0 +1,36 @@
+"""Finding and loading model weights.
+
+- ``default_model()``: the embedded SmolLM2-135M-Instruct, converted once into the user cache.
+- ``resolve_model(model)``: None, a folder, a ``.gguf`` file or a Hugging Face hub id -> a local folder.
+- ``load_model(path, dtype, device)``: our torch model with the folder's safetensors loaded, and its config.
+
+Exports are lazy: resolving a model (or finding the default model's tokenizer) never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "default_model": "pagedserve.server.loader.default_model",
+    "resolve_model": "pagedserve.server.loader.resolve",
+    "load_model": "pagedserve.server.loader.weights",
+    "load_config": "pagedserve.server.loader.weights",
+    "resolve_dtype": "pagedserve.server.loader.weights",
+}
+
+__all__ = ["default_model", "load_config", "load_model", "resolve_dtype", "resolve_model"]
+
+if TYPE_CHECKING:
+    from pagedserve.server.loader.default_model import default_model
+    from pagedserve.server.loader.resolve import resolve_model
+    from pagedserve.server.loader.weights import load_config, load_model, resolve_dtype
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

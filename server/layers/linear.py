@@ -1,0 +1,77 @@
+"""Projections and the token embedding, with shard-aware weight loading.
+
+A ``Linear`` may merge several checkpoint projections along its output dimension (q/k/v into one
+``qkv_proj``, gate/up into one ``gate_up_proj``), so each decoder layer runs a few big matmuls.
+Parameters are allocated uninitialised on the target device; the loader fills them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def copy_weight(
+    module: nn.Module, name: str, tensor: torch.Tensor, offset: int = 0, size: int | None = None
+) -> None:
+    """Copy a checkpoint tensor into ``module.<name>`` (its rows ``offset:offset+size`` if given)."""
+    param = getattr(module, name, None)
+    if not isinstance(param, torch.Tensor):
+        raise ValueError(f"{type(module).__name__} has no {name!r} parameter")
+    target = param.data if size is None else param.data.narrow(0, offset, size)
+    if target.shape != tensor.shape:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not match {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` ``[sum(output_sizes), in_features]``.
+
+    ``output_sizes`` lists the checkpoint projections merged into this one, in order; ``load(name,
+    tensor, shard)`` copies checkpoint projection ``shard`` into its rows.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: int | list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        out_features = sum(self.output_sizes)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        """Copy checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place."""
+        copy_weight(self, name, tensor, sum(self.output_sizes[:shard]), self.output_sizes[shard])
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding ``[vocab_size, hidden_size]``; the LM head shares it when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        copy_weight(self, name, tensor)

@@ -1,0 +1,114 @@
+"""``load_model``: build our torch model from a Hugging Face folder and load its weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """``"auto"``: float32 on CPU, bfloat16 on CUDA; otherwise a torch dtype or its name."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.lower().removeprefix("torch.")
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def load_config(path: str | Path) -> Any:
+    """The folder's ``config.json`` as a ``transformers`` config object."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    *,
+    load_format: str = "auto",
+    kernels: Any = None,
+) -> tuple[nn.Module, Any]:
+    """Build the model for the folder's config on ``device`` and load its weights: ``(model, hf_config)``.
+
+    ``load_format="dummy"`` skips the checkpoint and fills the weights with small random values (for
+    benchmarks of large shapes from a config.json alone). The model is in eval mode; call it under
+    ``torch.inference_mode()``.
+    """
+    from pagedserve.server.models.registry import build_model
+
+    device = torch.device(device)
+    hf_config = load_config(path)
+    model = build_model(hf_config, resolve_dtype(dtype, device), device, kernels)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+    elif load_format == "auto":
+        model.load_weights(iterate_weights(path))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    return model.eval(), hf_config
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The checkpoint files: the shards named by ``model.safetensors.index.json``, else every
+    ``*.safetensors``, else ``pytorch_model*.bin``."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"model folder {str(path)!r} has no *.safetensors or pytorch_model*.bin")
+    return files
+
+
+def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, cpu tensor)`` for every tensor of the checkpoint, with a progress bar."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    files = weight_files(path)
+    if files[0].suffix != ".safetensors":
+        for file in tqdm(files, desc="Loading weights", unit="file"):
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+        return
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            total += len(handle.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, handle.get_tensor(name)
+                    bar.update()
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.02) -> None:
+    """Fill every matrix with ``N(0, scale)``, on its own device; vectors (norms, biases) stay 1 / 0."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if param.dim() >= 2:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.data.normal_(0.0, scale, generator=generators[param.device])

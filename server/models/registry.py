@@ -1,0 +1,42 @@
+"""Model classes by the ``architectures`` entry of a Hugging Face config."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from torch import nn
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1-3, SmolLM, and most Llama-architecture fine-tunes
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(
+        f"unsupported model architecture {names or '(none given in config.json)'}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
+
+
+def build_model(
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kernels: ModuleType | None = None,
+) -> nn.Module:
+    """An uninitialised model for ``hf_config`` on ``device`` (fill it with ``model.load_weights``)."""
+    return get_model_class(hf_config)(hf_config, dtype, device, kernels)
