@@ -35,7 +35,7 @@ _WORDS_TEXT = """
     rather second face per among form important often things looked early white case john become large big
     need four within felt along children saw best church ever least power development light thing seemed
     family interest want members mind country area others done turned although open god service problem
-    certain kind different thus began door help sense whole matter perhaps itself york times law human line
+    certain kind different thus began door help sense whole matter perhaps itself yes times law human line
     above name example action company hands local show whether five history gave today either act feet across
     taken past quite anything seen having death week experience body word half really field car words already
     themselves information tell together college shall money period held keep sure free real probably seems
@@ -158,7 +158,7 @@ def shared_prefix_dataset(
     def text(n: int) -> str:
         return cutter.text_of_len(rng, n) if cutter else random_words(rng, n)
 
-    prefixes = [f"System prompt {g}. " + text(prefix_len) for g in range(num_groups)]
+    prefixes = [text(prefix_len) for _ in range(num_groups)]
     out = []
     for i in range(num_prompts):
         g = i % num_groups

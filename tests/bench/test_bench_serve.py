@@ -81,8 +81,8 @@ def test_sweep_writes_a_list_and_poisson_rate(standin_server, capsys, tmp_path):
     assert all(r["request_rate"] == 50 for r in runs)
     assert report.count("Serving Benchmark Result") == 2
     assert report.count("Request rate configured (RPS):") == 2
-    # "System prompt N." + 30 words + the 8-word question, as the stand-in counts words
-    assert set(runs[0]["input_lens"]) == {3 + 30 + 8}
+    # the 30-word shared prefix + the 8-word question, as the stand-in counts words
+    assert set(runs[0]["input_lens"]) == {30 + 8}
 
 
 def test_failures_counted_when_the_server_dies_mid_run(capsys, tmp_path):
