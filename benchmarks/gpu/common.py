@@ -1,0 +1,61 @@
+"""Timing helpers shared by the GPU benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cuda_time(fn: Callable[[], Any], iters: int = 50, warmup: int = 5) -> float:
+    """Mean seconds per call of ``fn`` on the current stream, by CUDA events, after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    buffers = [src, torch.empty_like(src)]
+    del src
+    seconds = cuda_time(lambda: buffers[1].copy_(buffers[0]), iters=20)
+    buffers.clear()
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def device_info() -> dict[str, Any]:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_result(name: str, result: dict[str, Any], out_dir: str | None = None) -> Path:
+    """``result`` as ``<out_dir or $OUT or benchmarks/results/gpu>/<name>.json``; printed too."""
+    folder = Path(out_dir or os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results" / "gpu")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return path

@@ -1,0 +1,164 @@
+"""(b) engine decode step time at batch 1 against the roofline, and (d) the share of wall time the GPU
+is busy during steady decode at batch 64, both through the engine API on one loaded model.
+
+(b): one request (128 prompt tokens, greedy, ``ignore_eos``); each ``engine.step()`` after the prefill
+is timed on the host clock: scheduling, input preparation, the forward pass, sampling and
+detokenization included. Roofline: the bytes a decode step must read (every weight but the embedding
+table, of which it reads one row per token, plus the KV cache so far) over the measured
+device-to-device copy bandwidth.
+
+(d): 64 requests decode together; after warm-up steps, ``STEPS`` steps run under ``torch.profiler``
+(CUDA activity only). Busy time is the union of the intervals of the GPU's kernels, copies and memsets;
+the share is busy time over the wall time of those steps. The same steps' mean time without the
+profiler is reported beside it, to show what the profiler itself costs.
+
+    python benchmarks/gpu/random_model.py --shape llama3-8b --out /tmp/llama3-8b
+    python benchmarks/gpu/engine_decode.py --model /tmp/llama3-8b [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import copy_bandwidth, device_info, write_result
+
+from pagedserve import LLM, SamplingParams
+
+
+def decode_bytes(llm: LLM) -> tuple[int, int]:
+    """(weight bytes a decode step reads, KV bytes per token of context across all layers)."""
+    model = llm.engine.model
+    params = dict(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embed = next(p for n, p in params.items() if "embed_tokens" in n)
+    if any(n.startswith("lm_head") for n in params):  # untied: the table itself is only gathered from
+        total -= embed.numel() * embed.element_size()
+    layers = model.attention_layers()
+    k_cache = layers[0].k_cache
+    per_token = 2 * len(layers) * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    return total, per_token
+
+
+def prompt(vocab: int, n: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"prompt_token_ids": torch.randint(10, vocab - 10, (n,), generator=gen).tolist()}
+
+
+def add_requests(llm: LLM, count: int, prompt_len: int, max_tokens: int, tag: str) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(count):
+        engine.add(engine.process_inputs(f"{tag}-{i}", prompt(engine.vocab_size, prompt_len, i), params))
+
+
+def timed_steps(llm: LLM, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def batch1(llm: LLM, copy_bw: float, new_tokens: int) -> dict:
+    add_requests(llm, 1, 128, new_tokens, "b1")
+    llm.engine.step()  # the prefill
+    times = []
+    while llm.engine.has_unfinished():
+        times += timed_steps(llm, 1)
+    weights, kv_per_token = decode_bytes(llm)
+    mean_context = 128 + new_tokens / 2
+    step_bytes = weights + kv_per_token * mean_context
+    roofline = step_bytes / copy_bw
+    median = statistics.median(times)
+    return {
+        "decode_steps": len(times),
+        "step_seconds_median": median,
+        "step_seconds_mean": statistics.fmean(times),
+        "step_seconds_p90": sorted(times)[int(0.9 * len(times))],
+        "weight_bytes_per_step": weights,
+        "kv_bytes_per_step_mean": kv_per_token * mean_context,
+        "roofline_seconds": roofline,
+        "median_step_over_roofline": median / roofline,
+        "roofline_over_median_step": roofline / median,
+    }
+
+
+def busy_share(llm: LLM, batch: int, warmup: int, steps: int) -> dict:
+    add_requests(llm, batch, 128, warmup + 2 * steps + 8, "d")
+    while any(r.num_computed_tokens < len(r.prompt_token_ids)
+              for r in llm.engine.scheduler.running + list(llm.engine.scheduler.waiting)):
+        llm.engine.step()  # prefills
+    timed_steps(llm, warmup)
+    plain = timed_steps(llm, steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                       if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, float("-inf")
+    for lo, hi in intervals:  # union of device intervals, in microseconds
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return {
+        "batch": batch,
+        "profiled_steps": steps,
+        "gpu_busy_share": busy / 1e6 / wall,
+        "gpu_busy_seconds": busy / 1e6,
+        "wall_seconds": wall,
+        "step_seconds_profiled_mean": wall / steps,
+        "step_seconds_unprofiled_mean": statistics.fmean(plain),
+        "device_events": len(intervals),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="a model folder (benchmarks/gpu/random_model.py)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="(b): decode steps timed at batch 1")
+    parser.add_argument("--batch", type=int, default=64, help="(d): requests decoding together")
+    parser.add_argument("--steps", type=int, default=30, help="(d): profiled steps")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    copy_bw = copy_bandwidth()
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory_bytes=8 << 30, max_model_len=4096,
+              enforce_eager=args.enforce_eager)
+    load_seconds = time.perf_counter() - t
+    # Warm-up: compiles the Triton kernels (and captures graphs, where the engine does so).
+    llm.generate([prompt(llm.engine.vocab_size, 64, 99)] * 2,
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    common = {"device": device_info(), "model": args.model, "dtype": "bfloat16",
+              "enforce_eager": args.enforce_eager, "copy_bandwidth_gbps": copy_bw / 1e9,
+              "load_seconds": load_seconds}
+    write_result("b_decode_step_roofline", {"benchmark": "engine decode step at batch 1 vs roofline",
+                                            **common, **batch1(llm, copy_bw, args.new_tokens)}, args.out)
+    write_result("d_gpu_busy_share", {"benchmark": "GPU busy share during steady decode",
+                                      **common, **busy_share(llm, args.batch, 5, args.steps)}, args.out)
+
+
+if __name__ == "__main__":
+    main()
