@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu/run_all.sh [STAGE...]      # no stage: all of them, in this order
 #
 # Stages (each fits one 10-minute device call on an H100; run them as separate calls there):
-#   kernel-tests  tests/gpu/test_kernels_gpu.py: bf16/fp16/fp32 kernels at real shapes, decode in a CUDA graph
+#   kernel-tests  tests/gpu/test_kernels_gpu.py: bf16/fp16/fp32 kernels at real shapes, decode in a CUDA graph;
+#                 tests/gpu/test_cuda_graphs_gpu.py: decode graphs of the model vs eager, the profiling forward
 #   engine-tests  tests/gpu/test_engine_gpu.py: greedy parity Triton vs torch reference vs HF, graphs vs eager
 #   a             decode attention bandwidth vs device-to-device copy (batch 64, context 2048, Llama-3-8B heads)
 #   bd            (b) batch-1 decode step vs roofline and (d) GPU busy share at batch 64, Llama-3-8B shape
@@ -47,7 +48,8 @@ for stage in "${stages[@]}"; do
   log "stage $stage"
   case "$stage" in
     kernel-tests)
-      run $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py --junitxml "$OUT/kernel_tests.xml" ;;
+      run $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
+        --junitxml "$OUT/kernel_tests.xml" ;;
     engine-tests)
       run $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_engine_gpu.py --junitxml "$OUT/engine_tests.xml" ;;
     a)
