@@ -1,0 +1,7 @@
+"""pagedserve.router: a KV-cache-aware HTTP router in front of engine replicas (no torch imports).
+
+Modules: ``hashing`` (prompt -> chained block hashes), ``balancer`` (pure routing decisions: strategies,
+CHWBL ring, LRU index, load), ``discovery`` (static list, Kubernetes EndpointSlices, health checks and
+load scraping), ``proxy`` (the ASGI app), ``metrics`` (``pagedserve_router_*``), ``cli``
+(``pagedserve router``).
+"""

@@ -1,0 +1,165 @@
+"""`pagedserve router`: the KV-cache-aware router in front of engine replicas.
+
+Examples::
+
+    pagedserve router --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 \\
+        --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct --model-name smollm2
+    pagedserve router --k8s-service llama-8b-engine --namespace ml --target-port 8000 \\
+        --tokenizer /models/llama-8b --model-name llama-8b
+
+Top-level imports stay light (no torch, ever: the router ships in the slim image).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pagedserve.router.balancer import STRATEGIES
+
+_SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _default_namespace() -> str:
+    try:
+        with open(_SA_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    g.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_ROUTER_API_KEY"),
+        help="if set, the router itself also requires 'Authorization: Bearer KEY' on /v1/* (env "
+        "PAGEDSERVE_ROUTER_API_KEY). The Authorization header is always passed on to the replicas.",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+
+    g = parser.add_argument_group("discovery")
+    g.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine replica (http://host:port); repeat for several. Exclusive with --k8s-service.",
+    )
+    g.add_argument("--k8s-service", default=None, help="watch the EndpointSlices of this Service")
+    g.add_argument(
+        "--namespace",
+        default=None,
+        help="namespace of --k8s-service (default: the pod's own namespace, else 'default')",
+    )
+    g.add_argument("--target-port", type=int, default=8000, help="the engines' port behind the Service")
+    g.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks/scrapes")
+    g.add_argument("--health-timeout", type=float, default=5.0, help="timeout of one health check")
+    g.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=3,
+        help="failed (timed-out) health checks in a row before a replica leaves the ring; a refused "
+        "connection removes it at once",
+    )
+
+    g = parser.add_argument_group("routing")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model folder or hub id whose tokenizer and chat template render and tokenize prompts "
+        "(without it, prompt bytes stand in for tokens)",
+    )
+    g.add_argument(
+        "--model-name", default=None, help="seeds the block hash chain (default: --tokenizer, else '')"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
+    g.add_argument("--strategy", default="prefix-hash", choices=STRATEGIES)
+    g.add_argument(
+        "--mean-load-factor",
+        type=float,
+        default=1.25,
+        help="a replica whose load exceeds this x the mean load is passed over (bounded loads)",
+    )
+    g.add_argument("--index-capacity", type=int, default=100_000, help="block hashes remembered per replica")
+    g.add_argument("--virtual-nodes", type=int, default=160, help="points per replica on the hash ring")
+    g.add_argument(
+        "--hash-key-blocks",
+        type=int,
+        default=4,
+        help="blocks that make a prefix's identity: the hash ring is keyed by the chained hash of the "
+        "first N blocks, and a cached match must cover them to win (1 = the first block only; raise it when "
+        "the chat template opens every prompt with the same long header)",
+    )
+    g.add_argument(
+        "--max-retries", type=int, default=3, help="other replicas tried when one refuses, drops or 503s"
+    )
+
+    g = parser.add_argument_group("upstream connections")
+    g.add_argument("--connect-timeout", type=float, default=5.0)
+    g.add_argument(
+        "--read-timeout", type=float, default=None, help="seconds without upstream bytes (default: none)"
+    )
+    g.add_argument(
+        "--max-keepalive-connections", type=int, default=200, help="idle connections kept per replica"
+    )
+
+
+def config_from_args(args: argparse.Namespace):
+    from pagedserve.router.proxy import RouterConfig
+
+    return RouterConfig(
+        backends=list(args.backend or []),
+        k8s_service=args.k8s_service,
+        namespace=args.namespace or _default_namespace(),
+        target_port=args.target_port,
+        tokenizer=args.tokenizer,
+        model_name=args.model_name if args.model_name is not None else (args.tokenizer or ""),
+        block_size=args.block_size,
+        strategy=args.strategy,
+        mean_load_factor=args.mean_load_factor,
+        index_capacity=args.index_capacity,
+        virtual_nodes=args.virtual_nodes,
+        hash_key_blocks=args.hash_key_blocks,
+        max_retries=args.max_retries,
+        api_key=args.api_key,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        unhealthy_after=args.unhealthy_after,
+        connect_timeout=args.connect_timeout,
+        read_timeout=args.read_timeout,
+        max_keepalive_connections=args.max_keepalive_connections,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pagedserve.router.proxy import RouterApp
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        logging.getLogger("pagedserve.router").error("%s", exc)
+        return 2
+    app = RouterApp(config)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        server_header=False,  # the replicas' Server and Date headers pass through
+        date_header=False,
+        lifespan="on",
+        timeout_keep_alive=30,
+        proxy_headers=False,  # X-Forwarded-For is extended by the proxy itself
+    )
+    return 0

@@ -1,0 +1,112 @@
+"""The router's Prometheus metrics (`pagedserve_router_*`), in a registry of its own."""
+
+from __future__ import annotations
+
+import contextlib
+
+from pagedserve.router.balancer import REASONS
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "pagedserve_router_requests",
+            "Requests the router finished, by backend and HTTP status (status 'error': the backend failed "
+            "after the response started, or could not be reached; backend 'none': no backend answered).",
+            ["backend", "status"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pagedserve_router_routing_decisions",
+            "Routing decisions by reason: prefix_hit, hash_ring, overload_fallback, least_load, round_robin.",
+            ["reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pagedserve_router_retries",
+            "Attempts retried on another backend, by the backend that failed and why "
+            "(connect, disconnect, status_503).",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.matched_ratio = Histogram(
+            "pagedserve_router_matched_prefix_ratio",
+            "Fraction of a prompt's full blocks found in the chosen backend's index (prefix-hash only).",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pagedserve_router_in_flight_requests",
+            "Requests the router has in flight, by backend.",
+            ["backend"],
+            registry=r,
+        )
+        self.ready_backends = Gauge(
+            "pagedserve_router_ready_backends",
+            "Backends in the ring (discovered ready and healthy).",
+            registry=r,
+        )
+        self.backends = Gauge(
+            "pagedserve_router_backends", "Backends known to the router (ready or not).", registry=r
+        )
+        self.backend_ready = Gauge(
+            "pagedserve_router_backend_ready",
+            "1 if the backend is in the ring, else 0.",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_load = Gauge(
+            "pagedserve_router_backend_load",
+            "The load score the balancer uses: in-flight + scraped waiting + scraped KV cache usage.",
+            ["backend"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pagedserve_router_request_duration_seconds",
+            "Time from the request's arrival at the router to the end of its response.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        self._decision_children = {reason: self.decisions.labels(reason) for reason in REASONS}
+        self._request_children: dict[tuple[str, str], object] = {}
+        self._in_flight_children: dict[str, object] = {}
+
+    # Cached label children: `labels()` costs a lock and a dict build per call.
+    def decision(self, reason: str) -> None:
+        child = self._decision_children.get(reason)
+        if child is None:
+            child = self._decision_children[reason] = self.decisions.labels(reason)
+        child.inc()
+
+    def request_done(self, backend: str, status: str) -> None:
+        key = (backend, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(backend, status)
+        child.inc()
+
+    def in_flight_child(self, backend: str):
+        child = self._in_flight_children.get(backend)
+        if child is None:
+            child = self._in_flight_children[backend] = self.in_flight.labels(backend)
+        return child
+
+    def forget_backend(self, backend: str) -> None:
+        """Drop the per-backend gauges of a backend that is gone for good (counters stay)."""
+        for gauge in (self.in_flight, self.backend_ready, self.backend_load):
+            with contextlib.suppress(KeyError):
+                gauge.remove(backend)
+        self._in_flight_children.pop(backend, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

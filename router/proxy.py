@@ -1,0 +1,488 @@
+"""The router's HTTP front: a lean ASGI app (served by uvicorn) that proxies every ``/v1/*`` route.
+
+Per request: read the body; for ``/v1/chat/completions`` and ``/v1/completions`` under ``prefix-hash``,
+hash the prompt's blocks; pick a replica (``Balancer.choose``); forward method, path, query, body and
+headers (Authorization included; hop-by-hop headers dropped) over a keep-alive pool per replica
+(``upstream.py``); pass the response through chunk by chunk as it arrives (no buffering, no re-encoding).
+
+Retries: until the first byte of a response body has been sent to the client, a replica that refuses the
+connection, drops it, or answers 503 is replaced by the next choice (at most ``max_retries`` times, never
+the same replica twice). The response is committed (status and headers sent) only once the first body
+chunk has arrived, so a replica that dies during prefill is retried too. After that, a failing replica
+ends the stream: with an OpenAI-style error event for ``text/event-stream``, else by closing the
+connection.
+
+The router's own errors use OpenAI's error JSON ``{"error": {"message", "type", "param", "code"}}``.
+Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready),
+``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pagedserve.router.balancer import Balancer
+from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
+from pagedserve.router.hashing import PromptHasher
+from pagedserve.router.metrics import RouterMetrics
+from pagedserve.router.upstream import (
+    UpstreamConnectError,
+    UpstreamDisconnect,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+
+logger = logging.getLogger(__name__)
+
+HASHED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_DROP_REQUEST = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+_DROP_RESPONSE = _HOP_BY_HOP
+
+_TOKENIZE_INLINE_MAX = 64 * 1024  # request bodies above this are tokenized in a worker thread
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_json(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": err_type or _ERROR_TYPES.get(status, "RouterError"),
+                "param": param,
+                "code": status,
+            }
+        }
+    ).encode()
+
+
+@dataclass
+class RouterConfig:
+    backends: list[str] = field(default_factory=list)
+    k8s_service: str | None = None
+    namespace: str = "default"
+    target_port: int = 8000
+    tokenizer: str | None = None
+    model_name: str = ""
+    block_size: int = 16
+    strategy: str = "prefix-hash"
+    mean_load_factor: float = 1.25
+    index_capacity: int = 100_000
+    virtual_nodes: int = 160
+    hash_key_blocks: int = 4
+    max_retries: int = 3
+    api_key: str | None = None
+    health_interval: float = 1.0
+    health_timeout: float = 5.0
+    unhealthy_after: int = 3
+    connect_timeout: float = 5.0
+    read_timeout: float | None = None
+    max_keepalive_connections: int = 200
+    keepalive_expiry: float = 4.0  # below uvicorn's default keep-alive (5 s) of the engines
+
+    def validate(self) -> None:
+        if not self.backends and not self.k8s_service:
+            raise ValueError("give at least one --backend, or --k8s-service")
+        if self.backends and self.k8s_service:
+            raise ValueError("--backend and --k8s-service are exclusive")
+        if self.block_size <= 0:
+            raise ValueError("--block-size must be positive")
+        if self.mean_load_factor < 1.0:
+            raise ValueError("--mean-load-factor must be >= 1.0")
+        if self.max_retries < 0:
+            raise ValueError("--max-retries must be >= 0")
+        if self.index_capacity <= 0:
+            raise ValueError("--index-capacity must be positive")
+        if self.hash_key_blocks < 1:
+            raise ValueError("--hash-key-blocks must be >= 1")
+
+
+async def _read_body(receive) -> bytes:
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    parts = [body]
+    while message.get("more_body", False):
+        message = await receive()
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+async def _send_simple(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class RouterApp:
+    """The ASGI application. ``balancer``, ``metrics`` and ``monitor`` are exposed for tests."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        hasher: PromptHasher | None = None,
+        discovery: Any = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.balancer = Balancer(
+            strategy=config.strategy,
+            mean_load_factor=config.mean_load_factor,
+            index_capacity=config.index_capacity,
+            virtual_nodes=config.virtual_nodes,
+            hash_key_blocks=config.hash_key_blocks,
+        )
+        self.metrics = RouterMetrics()
+        if hasher is None and config.strategy == "prefix-hash":
+            try:
+                hasher = PromptHasher(config.tokenizer, config.model_name, config.block_size)
+            except Exception as exc:
+                # Routing must go on: prompt bytes stand in for tokens (prefix affinity still works).
+                logger.error(
+                    "could not load tokenizer %r (%s); hashing prompt bytes instead of tokens",
+                    config.tokenizer,
+                    exc,
+                )
+                hasher = PromptHasher(None, config.model_name, config.block_size)
+        self.hasher = hasher
+        self.client: httpx.AsyncClient | None = None  # health checks and scrapes
+        self.upstream: UpstreamPool | None = None  # proxied requests
+        self.monitor: HealthMonitor | None = None
+        self._discovery = discovery
+        self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._started = False
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        cfg = self.config
+        self.upstream = UpstreamPool(
+            connect_timeout=cfg.connect_timeout,
+            read_timeout=cfg.read_timeout,
+            max_idle_per_host=cfg.max_keepalive_connections,
+            keepalive_expiry=cfg.keepalive_expiry,
+        )
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.health_timeout, connect=cfg.connect_timeout),
+            limits=httpx.Limits(max_keepalive_connections=8, keepalive_expiry=cfg.keepalive_expiry),
+            follow_redirects=False,
+            trust_env=False,
+        )
+        self.monitor = HealthMonitor(
+            self.balancer,
+            self.client,
+            interval=cfg.health_interval,
+            timeout=cfg.health_timeout,
+            unhealthy_after=cfg.unhealthy_after,
+            on_change=self._on_membership_change,
+        )
+        if self._discovery is None:
+            if cfg.k8s_service:
+                self._discovery = EndpointSliceDiscovery(
+                    self.balancer, cfg.k8s_service, cfg.namespace, cfg.target_port, self._on_discovery_change
+                )
+            else:
+                self._discovery = StaticDiscovery(self.balancer, cfg.backends, self._on_discovery_change)
+        await self._discovery.start()
+        # One round of checks before serving, so that dead static backends are not tried first.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.monitor.check_all(), cfg.health_timeout + 1)
+        self.monitor.sync()
+        self._on_membership_change()
+
+    async def shutdown(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.stop()
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.client is not None:
+            await self.client.aclose()
+        if self.upstream is not None:
+            await self.upstream.aclose()
+
+    def _on_discovery_change(self) -> None:
+        if self.monitor is not None:
+            with contextlib.suppress(RuntimeError):
+                self.monitor.sync()
+        known = set(self.balancer.backends)
+        for url in list(self.metrics._in_flight_children):
+            if url not in known:
+                self.metrics.forget_backend(url)
+        self._on_membership_change()
+
+    def _on_membership_change(self) -> None:
+        ready = 0
+        for url, state in self.balancer.backends.items():
+            self.metrics.backend_ready.labels(url).set(1 if state.ready else 0)
+            ready += state.ready
+        self.metrics.ready_backends.set(ready)
+        self.metrics.backends.set(len(self.balancer.backends))
+
+    # --- ASGI ------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path.startswith("/v1/"):
+                await self.proxy(scope, receive, send)
+            elif path == "/health":
+                body = json.dumps(
+                    {
+                        "status": "ok",
+                        "ready_backends": len(self.balancer.ready_urls()),
+                        "backends": len(self.balancer.backends),
+                    }
+                ).encode()
+                await _send_simple(send, 200, body)
+            elif path == "/ready":
+                n = len(self.balancer.ready_urls())
+                if n:
+                    await _send_simple(send, 200, json.dumps({"status": "ok", "ready_backends": n}).encode())
+                else:
+                    await _send_simple(send, 503, error_json("no ready backend", 503))
+            elif path == "/metrics":
+                for url, state in self.balancer.backends.items():
+                    self.metrics.backend_load.labels(url).set(state.load)
+                await _send_simple(send, 200, self.metrics.render(), self.metrics.content_type.encode())
+            elif path == "/backends":
+                await _send_simple(send, 200, json.dumps(self.backends_snapshot()).encode())
+            else:
+                await _send_simple(send, 404, error_json(f"route {path} not found", 404))
+        elif kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    try:
+                        await self.startup()
+                    except Exception as exc:
+                        logger.exception("router startup failed")
+                        await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                        return
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await self.shutdown()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    def backends_snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "url": url,
+                "ready": s.ready,
+                "discovered_ready": s.discovered,
+                "healthy": s.healthy,
+                "in_flight": s.in_flight,
+                "waiting": s.waiting,
+                "kv_cache_usage": s.kv_usage,
+                "load": s.load,
+                "indexed_blocks": len(s.index),
+            }
+            for url, s in self.balancer.backends.items()
+        ]
+
+    # --- the proxy -------------------------------------------------------------------------------
+    def _hashes(self, path: str, body: bytes) -> list[int]:
+        if self.hasher is None or path not in HASHED_PATHS or not body:
+            return []
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return []  # the engine will answer 400
+        try:
+            return self.hasher.hashes_for(path, parsed)[0]
+        except Exception:  # never fail a request because the router could not hash it
+            logger.debug("hashing failed", exc_info=True)
+            return []
+
+    async def proxy(self, scope, receive, send) -> None:
+        started = time.perf_counter()
+        metrics = self.metrics
+        balancer = self.balancer
+        path = scope["path"]
+        req_headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST]
+        if self._auth is not None:
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if auth is None or not hmac.compare_digest(auth, self._auth):
+                await _send_simple(send, 401, error_json("invalid or missing API key", 401))
+                metrics.request_done("none", "401")
+                return
+        body = await _read_body(receive)
+        method = scope["method"]
+        hashes: list[int] = []
+        if method == "POST" and self.hasher is not None and path in HASHED_PATHS:
+            if len(body) > _TOKENIZE_INLINE_MAX:  # a long prompt: keep the event loop serving the others
+                hashes = await asyncio.to_thread(self._hashes, path, body)
+            else:
+                hashes = self._hashes(path, body)
+        client = scope.get("client")
+        if client:
+            forwarded = next((v for k, v in req_headers if k == b"x-forwarded-for"), None)
+            req_headers = [(k, v) for k, v in req_headers if k != b"x-forwarded-for"]
+            ip = client[0].encode()
+            req_headers.append((b"x-forwarded-for", forwarded + b", " + ip if forwarded else ip))
+        target = scope.get("raw_path") or path.encode()
+        if isinstance(target, bytes):
+            target = target.decode("latin-1")
+        if scope.get("query_string"):
+            target = target + "?" + scope["query_string"].decode("latin-1")
+
+        pool = self.upstream
+        assert pool is not None, "router not started"
+        tried: set[str] = set()
+        attempts = 0
+        last_error = "no ready backend"
+        decision = balancer.choose(hashes, tried)
+        while True:
+            if decision is None:
+                await _send_simple(
+                    send, 503, error_json(f"no backend could serve the request: {last_error}", 503)
+                )
+                metrics.request_done("none", "503")
+                metrics.duration.observe(time.perf_counter() - started)
+                return
+            url = decision.url
+            tried.add(url)
+            attempts += 1
+            can_retry = attempts <= self.config.max_retries
+            balancer.acquire(url)
+            gauge = metrics.in_flight_child(url)
+            gauge.inc()
+            response: UpstreamResponse | None = None
+            try:
+                try:
+                    response = await pool.request(url, method, target, req_headers, body)
+                    if response.status == 503 and can_retry:
+                        nxt = balancer.choose(hashes, tried)
+                        if nxt is not None:
+                            last_error = f"{url}: 503"
+                            metrics.retries.labels(url, "status_503").inc()
+                            decision = nxt
+                            continue
+                    # Commit only once the first body chunk is here: a replica that dies before it (during
+                    # prefill, say) can still be replaced.
+                    first = await response.next_chunk()
+                except UpstreamConnectError as exc:
+                    last_error = f"{url}: {exc}"
+                    metrics.retries.labels(url, "connect").inc()
+                    if balancer.set_healthy(url, False):
+                        logger.warning("backend %s refused the connection: it leaves the ring", url)
+                        self._on_membership_change()
+                    decision = balancer.choose(hashes, tried) if can_retry else None
+                    continue
+                except (UpstreamDisconnect, UpstreamProtocolError) as exc:
+                    last_error = f"{url}: {exc}"
+                    metrics.retries.labels(url, "disconnect").inc()
+                    decision = balancer.choose(hashes, tried) if can_retry else None
+                    continue
+                except UpstreamTimeout as exc:
+                    await _send_simple(send, 504, error_json(f"backend {url}: {exc}", 504))
+                    metrics.request_done(url, "504")
+                    return
+
+                # The replica is computing this prompt's blocks: remember them for the next requests.
+                balancer.record(url, hashes)
+                metrics.decision(decision.reason)
+                if hashes:
+                    metrics.matched_ratio.observe(decision.matched_blocks / len(hashes))
+                await self._stream(send, receive, response, first, url)
+                metrics.duration.observe(time.perf_counter() - started)
+                return
+            finally:
+                if response is not None:
+                    response.close()
+                balancer.release(url)
+                gauge.dec()
+
+    async def _stream(self, send, receive, response: UpstreamResponse, first: bytes, url: str) -> None:
+        status = response.status
+        headers = [(k, v) for k, v in response.headers if k.lower() not in _DROP_RESPONSE]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if not first:
+            await send({"type": "http.response.body", "body": b""})
+            self.metrics.request_done(url, str(status))
+            return
+        if response.at_end():  # the whole body came in one piece
+            await send({"type": "http.response.body", "body": first})
+            response.close()
+            self.metrics.request_done(url, str(status))
+            return
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        chunk = await self._next_or_error(response)
+        # The client may go away mid-stream; then the upstream connection is closed, which makes the
+        # engine abort the request and free its KV blocks.
+        disconnected = asyncio.ensure_future(receive())
+        outcome = str(status)
+        try:
+            while True:
+                if isinstance(chunk, UpstreamError):
+                    outcome = "error"
+                    logger.warning("backend %s failed mid-response: %s", url, chunk)
+                    ctype = response.header(b"content-type") or b""
+                    if ctype.startswith(b"text/event-stream"):
+                        err = error_json(f"backend {url} failed mid-stream: {chunk}", 502)
+                        await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n"})
+                        return
+                    raise chunk
+                if not chunk:
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+                if disconnected.done():
+                    outcome = "client_disconnect"
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                chunk = await self._next_or_error(response)
+        finally:
+            disconnected.cancel()
+            self.metrics.request_done(url, outcome)
+
+    @staticmethod
+    async def _next_or_error(response: UpstreamResponse) -> bytes | UpstreamError:
+        try:
+            return await response.next_chunk()
+        except UpstreamError as exc:
+            return exc
+
+
+def create_app(config: RouterConfig, hasher: PromptHasher | None = None, discovery: Any = None) -> RouterApp:
+    return RouterApp(config, hasher=hasher, discovery=discovery)

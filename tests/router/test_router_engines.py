@@ -1,0 +1,384 @@
+"""The router in front of three real engine servers (the embedded model, on CPU), all on 127.0.0.1.
+
+* Hit rate: a bounded multi-tenant workload (long shared system prompts, several users each,
+  interleaved). From the engines' own vllm:prefix_cache_hits / vllm:prefix_cache_queries, the fleet's hit
+  rate under prefix-hash must reach 0.9x what one replica alone gets on the same workload, and 1.5x
+  round-robin's. Each mode gets its own system prompts (a per-mode salt leads them), so the modes never
+  share cache entries and one fleet of engines serves all three.
+* Faults: one replica is killed mid-run; every request that had not started streaming completes through
+  retries; the dead replica leaves the ring and rejoins when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("pagedserve.server.api.cli") is None,
+        reason="`pagedserve serve` (pagedserve.server.api.cli) does not exist yet",
+    ),
+]
+
+MODEL = "SmolLM2-135M-Instruct"
+TENANTS = 4  # coprime with 3 replicas, so round-robin does not pin tenants by accident
+USERS = 4
+TOPICS = ["billing", "shipping", "warranty", "accounts", "returns", "privacy", "loyalty", "repairs"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def system_prompt(salt: str, tenant: int) -> str:
+    topic = TOPICS[tenant % len(TOPICS)]
+    rules = " ".join(
+        f"Rule {k}: for {topic} questions, {['be brief', 'cite the policy', 'stay polite'][k % 3]}."
+        for k in range(16)
+    )
+    return f"[{salt}] You are the {topic} desk of company number {tenant}. {rules}"
+
+
+def chat(salt: str, tenant: int, user: int, stream: bool = False, max_tokens: int = 2) -> dict:
+    return {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "messages": [
+            {"role": "system", "content": system_prompt(salt, tenant)},
+            {
+                "role": "user",
+                "content": f"I am customer {user * 31 + tenant}. Question {user}: can you help me?",
+            },
+        ],
+    }
+
+
+def workload(salt: str) -> list[dict]:
+    return [chat(salt, t, u) for u in range(USERS) for t in range(TENANTS)]  # tenants interleaved
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prefix_cache_"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def fleet_counters(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for url in urls:
+        m = scrape(url)
+        hits += m.get("vllm:prefix_cache_hits_total", 0.0)
+        queries += m.get("vllm:prefix_cache_queries_total", 0.0)
+    return hits, queries
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+def engine_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start_engine(port: int, log) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--uvicorn-log-level",
+            "warning",
+            "--disable-access-log",
+            "--shutdown-grace-period",
+            "1",
+        ],
+        env=engine_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def start_router(port: int, backends: list[str], tokenizer: str, strategy: str, log) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedserve.router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tokenizer",
+        tokenizer,
+        "--model-name",
+        MODEL,
+        "--strategy",
+        strategy,
+        "--health-interval",
+        "0.5",
+        "--health-timeout",
+        "5",
+        "--log-level",
+        "warning",
+    ]
+    for b in backends:
+        cmd += ["--backend", b]
+    return subprocess.Popen(cmd, env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Engines:
+    def __init__(self, tmp_path_factory) -> None:
+        self.logdir = tmp_path_factory.mktemp("engines")
+        self.ports = [free_port() for _ in range(3)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        for i, port in enumerate(self.ports):
+            log = open(self.logdir / f"engine{i}.log", "ab")  # noqa: SIM115 - the engine writes to it
+            self.logs.append(log)
+            self.procs.append(start_engine(port, log))
+
+    def restart(self, i: int) -> None:
+        self.procs[i] = start_engine(self.ports[i], self.logs[i])
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"--- engine{i}:\n" + (self.logdir / f"engine{i}.log").read_text(errors="replace")[-3000:]
+            for i in range(len(self.ports))
+        )
+
+    def close(self) -> None:
+        for p in self.procs:
+            stop(p)
+        for log in self.logs:
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer() -> str:
+    import pagedserve
+
+    return pagedserve.default_model()  # the engines' model folder: its tokenizer and chat template
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, default_tokenizer):
+    e = Engines(tmp_path_factory)
+    started = time.time()
+    try:
+        for url, proc in zip(e.urls, e.procs, strict=True):
+            wait_healthy(url, proc)
+        print(f"3 engines up in {time.time() - started:.0f} s")
+        yield e
+    except Exception:
+        print(e.log_tail())
+        raise
+    finally:
+        e.close()
+
+
+@pytest.fixture()
+def router_factory(tmp_path, default_tokenizer):
+    procs = []
+
+    def make(backends: list[str], strategy: str) -> str:
+        port = free_port()
+        log = open(tmp_path / f"router-{strategy}.log", "ab")  # noqa: SIM115 - closed at teardown
+        procs.append((start_router(port, backends, default_tokenizer, strategy, log), log))
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, procs[-1][0], timeout=60)
+        return url
+
+    yield make
+    for proc, log in procs:
+        stop(proc)
+        log.close()
+
+
+def run_workload(base_url: str, requests: list[dict]) -> None:
+    with httpx.Client(base_url=base_url, timeout=180) as c:
+        for body in requests:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+
+
+def measure(urls: list[str], base_url: str, requests: list[dict]) -> float:
+    h0, q0 = fleet_counters(urls)
+    run_workload(base_url, requests)
+    h1, q1 = fleet_counters(urls)
+    assert q1 > q0
+    return (h1 - h0) / (q1 - q0)
+
+
+def test_prefix_hash_keeps_the_fleet_hit_rate_of_a_single_replica(engines, router_factory):
+    started = time.time()
+    # One replica alone (direct): the best a fleet can do on this workload.
+    single = measure(engines.urls, engines.urls[0], workload("single"))
+    prefix = measure(engines.urls, router_factory(engines.urls, "prefix-hash"), workload("prefix"))
+    rr = measure(engines.urls, router_factory(engines.urls, "round-robin"), workload("rr"))
+    print(
+        f"fleet prefix-cache hit rate: single replica {single:.3f}, prefix-hash {prefix:.3f}, "
+        f"round-robin {rr:.3f} ({time.time() - started:.0f} s)"
+    )
+    assert prefix >= 0.9 * single, (prefix, single)
+    assert prefix >= 1.5 * rr, (prefix, rr)
+
+
+def ring_owner(urls: list[str], tokenizer: str, body: dict) -> str:
+    """Which replica the router's ring gives this prompt when nothing is cached (the router's own code)."""
+    from pagedserve.router.balancer import Balancer
+    from pagedserve.router.hashing import PromptHasher
+
+    hashes, _ = PromptHasher(tokenizer, MODEL, 16).hashes_for("/v1/chat/completions", body)
+    b = Balancer()
+    b.set_backends(urls)
+    return b.choose(hashes).url
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict) -> dict:
+    rec = {"started": False, "done": False, "status": None, "error": None}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            rec["status"] = r.status_code
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                rec["started"] = True
+                if line == "data: [DONE]":
+                    rec["done"] = True
+                elif '"error"' in line:
+                    rec["error"] = line
+    except httpx.HTTPError as exc:
+        rec["error"] = repr(exc)
+    return rec
+
+
+def router_backends(router: str) -> dict[str, dict]:
+    return {b["url"]: b for b in httpx.get(router + "/backends", timeout=10).json()}
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def test_killed_replica_is_retried_around_and_rejoins(engines, router_factory, default_tokenizer):
+    router = router_factory(engines.urls, "prefix-hash")
+    victim = 1
+    victim_url = engines.urls[victim]
+    bodies = [chat("fault", t, u, stream=True, max_tokens=4) for u in range(3) for t in range(6)]
+
+    async def run() -> list[dict]:
+        sem = asyncio.Semaphore(6)
+        async with httpx.AsyncClient(base_url=router, timeout=180) as client:
+
+            async def limited(body):
+                async with sem:
+                    return await stream_one(client, body)
+
+            tasks = [asyncio.create_task(limited(b)) for b in bodies]
+            await asyncio.sleep(1.5)  # requests queued and running on every replica
+            os.kill(engines.procs[victim].pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    started = time.time()
+    results = asyncio.run(run())
+    retries = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(router + "/metrics").text.splitlines()
+        if line.startswith("pagedserve_router_retries_total")
+    )
+    print(
+        f"fault run: {len(results)} streams in {time.time() - started:.0f} s, "
+        f"{sum(not r['done'] for r in results)} cut mid-stream, {retries:.0f} attempts retried"
+    )
+    engines.procs[victim].wait()
+    failed = [r for r in results if not (r["status"] == 200 and r["done"] and r["error"] is None)]
+    # Only streams that had already started on the dead replica may fail; everything else was retried.
+    assert all(r["started"] for r in failed), failed
+    assert len(failed) <= 6, failed  # at most the concurrency
+    assert sum(r["done"] for r in results) >= len(bodies) - len(failed)
+
+    # The dead replica has left the ring...
+    wait_until(lambda: not router_backends(router)[victim_url]["ready"], 10, "the dead replica leaves")
+    metrics = httpx.get(router + "/metrics").text
+    assert "pagedserve_router_ready_backends 2.0" in metrics
+    # ...new prompts whose ring owner it is are served by the others meanwhile...
+    salt = next(
+        s
+        for s in (f"owner{i}" for i in range(200))
+        if ring_owner(engines.urls, default_tokenizer, chat(s, 0, 0)) == victim_url
+    )
+    with httpx.Client(base_url=router, timeout=180) as c:
+        assert c.post("/v1/chat/completions", json=chat(salt, 0, 0)).status_code == 200
+    # ...and it rejoins when it comes back, without restarting the router.
+    engines.restart(victim)
+    started = time.time()
+    wait_healthy(victim_url, engines.procs[victim])
+    print(f"replica restarted in {time.time() - started:.0f} s")
+    wait_until(lambda: router_backends(router)[victim_url]["ready"], 10, "the replica rejoins")
+    before = router_backends(router)[victim_url]
+    fresh = next(
+        s
+        for s in (f"back{i}" for i in range(200))
+        if ring_owner(engines.urls, default_tokenizer, chat(s, 0, 0)) == victim_url
+    )
+    with httpx.Client(base_url=router, timeout=180) as c:
+        r = c.post("/v1/chat/completions", json=chat(fresh, 0, 0))
+        assert r.status_code == 200
+    metrics = httpx.get(router + "/metrics").text
+    served = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("pagedserve_router_requests_total")
+        and f'backend="{victim_url}"' in line
+        and 'status="200"' in line
+    )
+    assert served >= 1, json.dumps(before)

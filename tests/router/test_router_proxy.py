@@ -1,0 +1,395 @@
+"""The proxy end to end against stand-in backends on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_backend import FakeBackend, ServerThread
+from pagedserve.router.proxy import RouterApp, RouterConfig
+
+HERE = Path(__file__).parent
+SYSTEM = "You are the assistant of tenant {t}. Follow the house rules: be brief, be kind, cite sources. " * 3
+
+
+def body(t: int, u: int, stream: bool = False) -> dict:
+    return {
+        "model": "m",
+        "stream": stream,
+        "messages": [
+            {"role": "system", "content": SYSTEM.format(t=t)},
+            {"role": "user", "content": f"user {u} asks question {u * 7}"},
+        ],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    def __init__(self, tokenizer: str, n: int = 3, extra_urls=(), **cfg) -> None:
+        self.backends = [ServerThread(FakeBackend(f"b{i}")).start() for i in range(n)]
+        config = RouterConfig(
+            backends=[b.url for b in self.backends] + list(extra_urls),
+            tokenizer=tokenizer,
+            model_name="m",
+            health_interval=cfg.pop("health_interval", 0.2),
+            health_timeout=cfg.pop("health_timeout", 1.0),
+            **cfg,
+        )
+        self.app = RouterApp(config)
+        self.router = ServerThread(self.app).start()
+        self.client = httpx.Client(base_url=self.router.url, timeout=30)
+
+    def by_name(self, name: str) -> ServerThread:
+        return next(b for b in self.backends if b.app.name == name)
+
+    def metrics(self) -> str:
+        return self.client.get("/metrics").text
+
+    def close(self) -> None:
+        self.client.close()
+        self.router.stop()
+        for b in self.backends:
+            b.stop()
+
+
+@pytest.fixture()
+def fleet(tiny_tokenizer):
+    fleets = []
+
+    def make(**kw):
+        f = Fleet(tiny_tokenizer, **kw)
+        fleets.append(f)
+        return f
+
+    yield make
+    for f in fleets:
+        f.close()
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_same_prefix_same_replica_and_tenants_spread(fleet):
+    f = fleet(n=3)
+    homes = {}
+    for u in range(4):
+        for t in range(6):
+            r = f.client.post("/v1/chat/completions", json=body(t, u))
+            assert r.status_code == 200, r.text
+            homes.setdefault(t, set()).add(r.json()["backend"])
+    assert all(len(v) == 1 for v in homes.values()), homes  # every tenant sticks to one replica
+    assert len({next(iter(v)) for v in homes.values()}) >= 2  # and tenants are spread over replicas
+    m = f.metrics()
+    assert metric_value(m, "pagedserve_router_routing_decisions_total", reason="hash_ring") == 6
+    assert metric_value(m, "pagedserve_router_routing_decisions_total", reason="prefix_hit") == 18
+    assert metric_value(m, "pagedserve_router_matched_prefix_ratio_count") == 24
+    assert metric_value(m, "pagedserve_router_requests_total", status="200") == 24
+    assert metric_value(m, "pagedserve_router_ready_backends") == 3
+    assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+
+
+def test_streams_pass_through_chunk_by_chunk(fleet):
+    f = fleet(n=1)
+    b = f.backends[0].app
+    b.chunks, b.chunk_delay = 4, 0.3
+    arrivals = []
+    with f.client.stream("POST", "/v1/chat/completions", json=body(0, 0, stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-backend"] == "b0"
+        for line in r.iter_lines():
+            if line:
+                arrivals.append((time.monotonic(), line))
+    assert [line for _, line in arrivals][-1] == "data: [DONE]"
+    assert len(arrivals) == 5
+    # Not buffered: the first chunk arrived long before the last was produced.
+    assert arrivals[-1][0] - arrivals[0][0] > 0.6
+
+
+def test_headers_query_and_methods_pass_through(fleet):
+    f = fleet(n=1)
+    r = f.client.post(
+        "/v1/completions?foo=bar",
+        json={"prompt": "hello " * 20},
+        headers={"Authorization": "Bearer secret-key", "X-Custom": "1"},
+    )
+    assert r.status_code == 200
+    seen = f.backends[0].app.received[-1]
+    assert seen["authorization"] == "Bearer secret-key"
+    assert seen["query"] == "foo=bar"
+    assert seen["forwarded_for"] == "127.0.0.1"
+    assert json.loads(seen["body"]) == {"prompt": "hello " * 20}
+    r = f.client.get("/v1/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "b0"
+    r = f.client.get("/v1/nope")
+    assert r.status_code == 404  # the backend's own answer, passed through
+
+
+def test_long_prompts_are_hashed_off_the_event_loop(fleet):
+    f = fleet(n=2)
+    long_doc = "A long shared document. " * 4000  # ~100 KB: tokenized in a worker thread
+    first = f.client.post(
+        "/v1/chat/completions",
+        json=body(0, 0)
+        | {"messages": [{"role": "system", "content": long_doc}, {"role": "user", "content": "summarize"}]},
+    )
+    second = f.client.post(
+        "/v1/chat/completions",
+        json=body(0, 0)
+        | {"messages": [{"role": "system", "content": long_doc}, {"role": "user", "content": "translate"}]},
+    )
+    assert first.status_code == second.status_code == 200
+    assert first.json()["backend"] == second.json()["backend"]
+    m = f.metrics()
+    assert metric_value(m, "pagedserve_router_routing_decisions_total", reason="prefix_hit") == 1
+    assert metric_value(m, "pagedserve_router_matched_prefix_ratio_sum") > 0.99
+
+
+def test_a_tokenizer_that_cannot_load_falls_back_to_bytes(tmp_path):
+    app = RouterApp(RouterConfig(backends=["http://127.0.0.1:1"], tokenizer=str(tmp_path / "missing")))
+    assert app.hasher is not None and app.hasher.tokenizer is None
+    assert app.hasher.hashes_for("/v1/completions", {"prompt": "x" * 200})[0]
+
+
+def test_router_api_key(fleet):
+    f = fleet(n=1, api_key="k1")
+    r = f.client.post("/v1/chat/completions", json=body(0, 0))
+    assert r.status_code == 401
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 401
+    r = f.client.post("/v1/chat/completions", json=body(0, 0), headers={"Authorization": "Bearer k1"})
+    assert r.status_code == 200
+    assert f.backends[0].app.received[-1]["authorization"] == "Bearer k1"
+    assert f.client.get("/health").status_code == 200  # probes need no key
+
+
+def test_503_is_retried_on_the_next_choice(fleet):
+    f = fleet(n=3)
+    first = f.client.post("/v1/chat/completions", json=body(1, 0)).json()["backend"]
+    f.by_name(first).app.fail_503 = 1
+    r = f.client.post("/v1/chat/completions", json=body(1, 1))
+    assert r.status_code == 200 and r.json()["backend"] != first
+    m = f.metrics()
+    assert metric_value(m, "pagedserve_router_retries_total", reason="status_503") == 1
+    # Every replica answering 503: the last answer is passed through.
+    for b in f.backends:
+        b.app.fail_503 = 5
+    r = f.client.post("/v1/chat/completions", json=body(1, 2))
+    assert r.status_code == 503
+
+
+def test_refused_connection_is_retried_and_the_replica_leaves_the_ring(fleet):
+    dead = f"http://127.0.0.1:{free_port()}"
+    f = fleet(n=2, extra_urls=[dead], health_interval=30)
+    # The start-up health round already noticed; force it back in to exercise the request path.
+    f.app.balancer.set_healthy(dead, True)
+    for t in range(8):
+        r = f.client.post("/v1/chat/completions", json=body(t, 0))
+        assert r.status_code == 200
+    assert dead not in f.app.balancer.ready_urls()
+    backends = {b["url"]: b for b in f.client.get("/backends").json()}
+    assert backends[dead]["ready"] is False
+    assert f.client.get("/health").json()["ready_backends"] == 2
+
+
+def test_no_ready_backend_gives_an_openai_error(fleet):
+    dead = f"http://127.0.0.1:{free_port()}"
+    f = fleet(n=0, extra_urls=[dead])
+    r = f.client.post("/v1/chat/completions", json=body(0, 0))
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == 503 and err["type"] == "ServiceUnavailableError"
+    assert f.client.get("/ready").status_code == 503
+    assert f.client.get("/health").status_code == 200
+    r = f.client.get("/elsewhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_router_metrics_names(fleet):
+    f = fleet(n=2)
+    f.client.post("/v1/chat/completions", json=body(0, 0))
+    m = f.metrics()
+    for name in (
+        "pagedserve_router_requests_total",
+        "pagedserve_router_routing_decisions_total",
+        "pagedserve_router_matched_prefix_ratio_bucket",
+        "pagedserve_router_in_flight_requests",
+        "pagedserve_router_ready_backends",
+        "pagedserve_router_backend_ready",
+        "pagedserve_router_request_duration_seconds_bucket",
+    ):
+        assert name in m, name
+    for reason in ("prefix_hit", "hash_ring", "overload_fallback"):
+        assert f'pagedserve_router_routing_decisions_total{{reason="{reason}"}}' in m
+
+
+def test_client_disconnect_mid_stream_closes_the_upstream_request(fleet):
+    f = fleet(n=1)
+    b = f.backends[0].app
+    b.chunks, b.chunk_delay = 50, 0.05
+    with f.client.stream("POST", "/v1/chat/completions", json=body(0, 0, stream=True)) as r:
+        next(r.iter_raw())
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        m = f.metrics()
+        if metric_value(m, "pagedserve_router_requests_total", status="client_disconnect") == 1:
+            break
+        time.sleep(0.05)
+    assert metric_value(m, "pagedserve_router_requests_total", status="client_disconnect") == 1
+    assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+
+
+def test_many_concurrent_streams(fleet):
+    import asyncio
+
+    f = fleet(n=3)
+    for b in f.backends:
+        b.app.chunks, b.app.chunk_delay = 5, 0.01
+
+    async def one(client, i):
+        async with client.stream("POST", "/v1/chat/completions", json=body(i % 5, i, stream=True)) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 6
+
+    async def go():
+        async with httpx.AsyncClient(base_url=f.router.url, timeout=30) as client:
+            await asyncio.gather(*(one(client, i) for i in range(60)))
+
+    asyncio.run(go())
+    assert metric_value(f.metrics(), "pagedserve_router_requests_total", status="200") == 60
+
+
+# --- replicas that die ------------------------------------------------------------------------------------
+def spawn_backend(name: str, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "fake_backend.py"), "--port", str(port), "--name", name],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("fake backend did not start")
+
+
+@pytest.fixture()
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, procs):
+    ports = [free_port(), free_port()]
+    procs += [spawn_backend(f"p{i}", port) for i, port in enumerate(ports)]
+    app = RouterApp(
+        RouterConfig(
+            backends=[f"http://127.0.0.1:{p}" for p in ports],
+            tokenizer=tiny_tokenizer,
+            model_name="m",
+            health_interval=0.2,
+            health_timeout=1.0,
+        )
+    )
+    router = ServerThread(app).start()
+    try:
+        with httpx.Client(base_url=router.url, timeout=30) as c:
+            owner = c.post("/v1/chat/completions", json=body(3, 0)).json()["backend"]
+            victim = procs[int(owner[1])]
+            victim_port = ports[int(owner[1])]
+            httpx.post(f"http://127.0.0.1:{victim_port}/_control", json={"first_delay": 5.0})
+            import threading
+
+            result = {}
+
+            def call():
+                result["r"] = c.post("/v1/chat/completions", json=body(3, 1, stream=True))
+
+            t = threading.Thread(target=call)
+            t.start()
+            time.sleep(0.5)  # the request is waiting at the victim
+            os.kill(victim.pid, signal.SIGKILL)
+            t.join(20)
+            r = result["r"]
+            assert r.status_code == 200
+            assert "data: [DONE]" in r.text and f'"backend": "p{1 - int(owner[1])}"' in r.text
+            # The dead replica leaves the ring...
+            deadline = time.time() + 5
+            while time.time() < deadline and f"http://127.0.0.1:{victim_port}" in app.balancer.ready_urls():
+                time.sleep(0.05)
+            assert f"http://127.0.0.1:{victim_port}" not in app.balancer.ready_urls()
+            # ...and rejoins when it comes back, taking its prefixes back from the ring.
+            procs.append(spawn_backend(owner, victim_port))
+            deadline = time.time() + 5
+            while (
+                time.time() < deadline and f"http://127.0.0.1:{victim_port}" not in app.balancer.ready_urls()
+            ):
+                time.sleep(0.05)
+            assert f"http://127.0.0.1:{victim_port}" in app.balancer.ready_urls()
+            assert c.post("/v1/chat/completions", json=body(9, 0)).status_code == 200
+    finally:
+        router.stop()
+
+
+def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_tokenizer, procs):
+    port = free_port()
+    procs.append(spawn_backend("solo", port))
+    httpx.post(f"http://127.0.0.1:{port}/_control", json={"chunks": 100, "chunk_delay": 0.05})
+    app = RouterApp(
+        RouterConfig(
+            backends=[f"http://127.0.0.1:{port}"],
+            tokenizer=tiny_tokenizer,
+            model_name="m",
+            health_interval=0.2,
+        )
+    )
+    router = ServerThread(app).start()
+    try:
+        with (
+            httpx.Client(base_url=router.url, timeout=30) as c,
+            c.stream("POST", "/v1/chat/completions", json=body(0, 0, stream=True)) as r,
+        ):
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(procs[0].pid, signal.SIGKILL)
+        assert r.status_code == 200
+        last = json.loads(lines[-1][len("data: ") :])
+        assert last["error"]["code"] == 502
+    finally:
+        router.stop()
