@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, help). Nested groups (bench) map to their own table.
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads that spin while waiting make torch several times slower whenever the cores are
+    # shared (several replicas on a node, a busy CI host); must be set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Before anything imports torch: spinning OpenMP threads slow torch several-fold when test servers
+# share the two cores with pytest (see pagedserve/cli.py, which sets the same default).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
