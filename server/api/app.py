@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from pagedserve.server.api.access_log import AccessLogMiddleware
 from pagedserve.server.api.auth import APIKeyMiddleware
-from pagedserve.server.api.errors import APIError, error_response, install_error_handlers
+from pagedserve.server.api.errors import error_response, install_error_handlers
 from pagedserve.server.api.metrics import ServerMetrics
 from pagedserve.server.api.protocol import (
     ChatCompletionRequest,
@@ -127,10 +127,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(*auth_errors, 404))
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in model_names:
-            raise APIError(
-                f"The model `{model_id}` does not exist.", 404, param="model", code="model_not_found"
-            )
+        chat.check_model(model_id)
         return model_card(model_id)
 
     @app.post(

@@ -210,6 +210,19 @@ def test_models_tokenize_version(server: Server, tokenizer) -> None:
     detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
     assert detok["prompt"] == "Hello world"
     assert httpx.get(f"{server.url}/version").json()["version"]
+    conversation = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Capital of France?"},
+    ]
+    for add_generation_prompt in (True, False):
+        body = {"messages": conversation, "add_generation_prompt": add_generation_prompt}
+        served = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert served == tokenizer.encode(text, add_special_tokens=False)
 
 
 # ------------------------------------------------------------------------------------- concurrency
