@@ -211,7 +211,7 @@ def test_unknown_model_names_it() -> None:
 def test_abort_mid_run_frees_blocks(llm: LLM, prompts: list[list[int]]) -> None:
     engine = llm.engine
     for i, ids in enumerate(prompts):
-        engine.add_request(f"abort-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=50))
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=12))
     for _ in range(3):
         engine.step()
     for i in range(0, len(prompts), 2):
