@@ -97,7 +97,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    @app.get("/health", responses=_errors(503))
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "The engine is running"}, **_errors(503)},
+    )
     async def health() -> Response:
         if engine.is_healthy():
             return Response(status_code=200)
@@ -107,7 +111,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    @app.get("/metrics", response_class=Response)
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

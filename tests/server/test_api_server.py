@@ -349,7 +349,8 @@ def test_error_cases(server: Server) -> None:
 
 
 def test_schemathesis_fuzz_no_server_errors(server: Server) -> None:
-    """Every operation in /openapi.json, fuzzed with schema-valid and invalid data: never a 5xx.
+    """Every operation in /openapi.json, fuzzed with schema-valid and invalid data: never a 5xx, and every
+    response's status, content type and body as the schema documents them.
 
     Generation is bounded (max_tokens, n) so each request costs a few engine steps at most.
     """
@@ -358,9 +359,20 @@ def test_schemathesis_fuzz_no_server_errors(server: Server) -> None:
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
     from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    checks = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+    ]
     seen: dict[str, int] = {}
 
     def bound(case) -> None:
@@ -388,7 +400,7 @@ def test_schemathesis_fuzz_no_server_errors(server: Server) -> None:
             bound(case)
             response = case.call(base_url=server.url, headers=headers, timeout=60)
             seen[operation.label] = seen.get(operation.label, 0) + 1
-            case.validate_response(response, checks=[not_a_server_error])
+            case.validate_response(response, checks=checks)
 
         run()
 
