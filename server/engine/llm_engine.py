@@ -92,7 +92,8 @@ class LLMEngine:
                                  hash_seed=f"{self.model_path}:{self.dtype}")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, num_kv_heads, head_dim,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=config.max_model_len or 0, enforce_eager=config.enforce_eager)
         self.parents: dict[str, ParentRequest] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -118,13 +119,13 @@ class LLMEngine:
         return int(num_blocks)
 
     def _gpu_kv_budget(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        hidden = int(self.hf_config.hidden_size)
-        # Room for one step's activations and logits, on top of what the weights already took.
-        activations = self.config.batched_tokens * hidden * 4 * 24
-        logits = self.config.max_num_seqs * self.vocab_size * 4 * 4
-        return int(total * self.config.gpu_memory_utilization) - used - activations - logits
+        """What is left of ``gpu_memory_utilization`` after the weights and a profiled largest step."""
+        from pagedserve.server.layers.attention import select_backend
+        from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
+
+        peak = profile_activation_peak(self.model, select_backend(self.device), self.config.batched_tokens,
+                                       self.config.max_num_seqs)
+        return kv_cache_budget(self.device, self.config.gpu_memory_utilization, peak)
 
     def _resolve_max_model_len(self) -> None:
         cfg = self.config

@@ -13,6 +13,7 @@ import torch
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata, select_backend
 from pagedserve.server.request import Request
+from pagedserve.server.worker.cuda_graphs import DecodeGraphs
 from pagedserve.server.worker.sampler import SampledToken, sample
 from torch import nn
 
@@ -36,6 +37,9 @@ class ModelRunner:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -50,6 +54,11 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.kernels = kernels
             self.kv_caches.append((layer.k_cache, layer.v_cache))
+        self.graphs: DecodeGraphs | None = None
+        # The torch reference decode reads context lengths on the host, which a graph cannot hold.
+        if device.type == "cuda" and not enforce_eager and kernels.__name__ != "pagedserve.kernels.reference":
+            self.graphs = DecodeGraphs(model, max_num_seqs, max_model_len, block_size, device)
+            self.graphs.capture()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -62,7 +71,10 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
     ) -> list[tuple[Request, SampledToken]]:
         inputs = self.prepare(scheduled, block_ids)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.fits(inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampled_requests:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
