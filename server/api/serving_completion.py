@@ -40,6 +40,9 @@ class _Prompt:
             self._text = self.serving.tokenizer.decode(self.ids)
         return self._text
 
+    def engine_input(self) -> dict[str, Any]:
+        return {"prompt": self._text, "prompt_token_ids": self.ids}
+
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
@@ -53,9 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.resolve_max_tokens(request.max_tokens, len(prompt.ids), "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
             tracker = self.metrics.track(len(prompt.ids), max_tokens, request.n)
-            streams.append(
-                self.generate({"prompt": prompt._text, "prompt_token_ids": prompt.ids}, params, tracker)
-            )
+            streams.append(self.generate(prompt.engine_input(), params, tracker))
         request_id = f"cmpl-{random_id()}"
         created = int(time.time())
         headers = {"X-Request-Id": request_id}
@@ -84,6 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(_Prompt(self, item if truncate is None else None, ids))
             else:
                 ids = list(item)
+                self.check_token_ids(ids, "prompt")
                 prompts.append(_Prompt(self, None, ids[-truncate:] if truncate else ids))
         return prompts
 

@@ -168,6 +168,7 @@ class OpenAIServing:
         self.model_name = model_names[0]
         self.max_model_len: int = engine.config.max_model_len
         self.max_num_seqs: int = engine.config.max_num_seqs
+        self.vocab_size = len(self.tokenizer)
         self.metrics = metrics
 
     # ---- checks -------------------------------------------------------------------------------------
@@ -189,6 +190,11 @@ class OpenAIServing:
             raise APIError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {request.n}.", 400, param="n"
             )
+
+    def check_token_ids(self, ids: Any, param: str) -> None:
+        """Token ids outside the tokenizer's vocabulary are a 400 (as in vLLM), before any stream starts."""
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise APIError(f"{param} must be token ids in [0, {self.vocab_size}).", 400, param=param)
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
         """vLLM's rule: no max_tokens means up to max_model_len; over the limit is a 400 naming it."""
@@ -302,6 +308,9 @@ class OpenAIServing:
                 raise APIError(
                     "logit_bias keys must be token ids (integers).", 400, param="logit_bias"
                 ) from exc
+            self.check_token_ids(kwargs["logit_bias"], "logit_bias")
+        if request.stop_token_ids:
+            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:

@@ -251,7 +251,10 @@ async def test_error_shapes(client: httpx.AsyncClient) -> None:
     )
     assert "128" in long_prompt["message"]
     assert_error(await client.post("/v1/completions", json={"prompt": []}), 400, "prompt")
-    assert_error(await client.post("/v1/completions", json={"prompt": [10**6]}), 400)  # engine's own check
+    assert_error(await client.post("/v1/completions", json={"prompt": [10**6]}), 400, "prompt")
+    for field, value in (("stop_token_ids", [-1]), ("logit_bias", {"999999": 5})):
+        streamed = {"prompt": "x", "stream": True, field: value}
+        assert_error(await client.post("/v1/completions", json=streamed), 400, field)
     assert_error(await client.post("/v1/completions", json={"prompt": "x", "stream_options": {}}), 400)
     assert_error(await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"a": 1}}), 400)
     msgs = [{"role": "user", "content": "x"}]
