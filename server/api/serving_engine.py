@@ -87,7 +87,7 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             await asyncio.wait((streamer, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -106,7 +106,7 @@ class EventStreamResponse(StreamingResponse):
 async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it (and raising ClientDisconnected) if the client disconnects first."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -119,11 +119,10 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (or the response is complete: then the server reports it too)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
