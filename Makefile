@@ -1,5 +1,8 @@
 # Every install step lives here, so a fresh machine (and CI) gets exactly what a developer has.
 VENV ?= .venv
+# The top-level folder ./operator would shadow the standard library's `operator` module for any
+# `python -m ...` run from here; never put the working directory on sys.path (Python 3.11+).
+export PYTHONSAFEPATH := 1
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
