@@ -29,9 +29,9 @@ def _decode_kernel(
     qk_scale,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    num_heads, head_dim, partition_size,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    num_heads, partition_size,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -43,7 +43,7 @@ def _decode_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gmask = g < GROUP
-    dmask = d < head_dim
+    dmask = d < HEAD_DIM
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
@@ -78,7 +78,7 @@ def _decode_kernel(
     else:
         # Partials: out [seqs, heads, NUM_SPLITS, head_dim]; stats [2 (max, sum), seqs, heads, NUM_SPLITS].
         row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * head_dim + d[None, :], acc,
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=gmask[:, None] & dmask[None, :])
         num_rows = tl.num_programs(0).to(tl.int64) * num_heads * NUM_SPLITS
         tl.store(part_stats_ptr + row, m_i, mask=gmask)
@@ -88,8 +88,9 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_stats_ptr, context_lens_ptr, out_ptr,
-    stride_os, stride_oh, num_heads, head_dim, partition_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_os, stride_oh, num_heads, partition_size,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -98,13 +99,13 @@ def _merge_kernel(
     sp = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, BLOCK_D)
     smask = sp < used
-    dmask = d < head_dim
+    dmask = d < HEAD_DIM
     row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + sp
     num_rows = tl.num_programs(0).to(tl.int64) * num_heads * NUM_SPLITS
     m = tl.load(part_stats_ptr + row, mask=smask, other=-1.0e30)
     total_exp = tl.load(part_stats_ptr + num_rows + row, mask=smask, other=0.0)
     weight = tl.where(smask, tl.exp2(m - tl.max(m, axis=0)) * total_exp, 0.0)
-    partial = tl.load(part_out_ptr + row[:, None] * head_dim + d[None, :],
+    partial = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
                       mask=smask[:, None] & dmask[None, :], other=0.0)
     total = tl.sum(weight, axis=0)
     out = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
@@ -144,17 +145,18 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads, head_dim, partition,
-        GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        num_heads, partition,
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_stats, context_lens, out,
-            out.stride(0), out.stride(1), num_heads, head_dim, partition,
-            NUM_SPLITS=num_splits, BLOCK_SPLITS=next_pow2(num_splits), BLOCK_D=block_d,
+            out.stride(0), out.stride(1), num_heads, partition,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_SPLITS=next_pow2(num_splits),
+            BLOCK_D=block_d,
         )
     return out
 

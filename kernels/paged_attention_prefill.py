@@ -29,9 +29,9 @@ def _prefill_kernel(
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    num_seqs, head_dim,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
+    num_seqs,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -55,7 +55,7 @@ def _prefill_kernel(
     m_idx = first_query + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     m_mask = m_idx < q_len
-    dmask = d < head_dim
+    dmask = d < HEAD_DIM
     q_pos = context_len - q_len + m_idx
     tokens = (q_start + m_idx).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
@@ -118,9 +118,9 @@ def paged_attention_prefill(
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs, head_dim,
-        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=next_pow2(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        num_seqs,
+        HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_D=next_pow2(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
