@@ -17,11 +17,6 @@ class PagedCase:
     q_prefill: torch.Tensor  # [sum(q_lens), num_heads, head_dim]
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
 
-    def slots(self, seq: int, positions: range) -> list[int]:
-        """Cache slots of the given absolute positions of one sequence."""
-        block_size = self.k_cache.shape[1]
-        table = self.block_tables[seq].tolist()
-        return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def make_paged_case(
