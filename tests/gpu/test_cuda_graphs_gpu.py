@@ -32,7 +32,8 @@ def engine_model():
     path = random_model.cached_random_model(shape, **overrides)
     model, _ = load_model(path, torch.bfloat16, CUDA, kernels=select_backend(CUDA, "triton"))
     # The runner binds a KV cache to every layer; random contents stand for earlier tokens.
-    ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.bfloat16, CUDA)
+    ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.bfloat16, CUDA,
+                enforce_eager=True)  # the test captures its own graphs
     for layer in model.attention_layers():
         layer.kernels = select_backend(CUDA, "triton")
         layer.k_cache.normal_()
