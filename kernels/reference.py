@@ -35,6 +35,9 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 
+DECODE_CHUNK = 16  # sequences attended together; chunks of similar length keep padding small
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -43,27 +46,45 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence against its whole cached context. q ``[num_seqs, num_heads, head_dim]``."""
-    num_seqs, num_heads, head_dim = q.shape
+    """One query per sequence against its whole cached context. q ``[num_seqs, num_heads, head_dim]``.
+
+    On a CPU the cost is gathering every sequence's blocks into a padded batch, so sequences are sorted
+    by context length and attended in chunks, each padded only to its own longest context.
+    """
+    num_seqs = q.shape[0]
+    out = torch.empty_like(q)
     if num_seqs == 0:
-        return torch.empty_like(q)
+        return out
+    order = torch.argsort(context_lens.to(q.device), stable=True)
+    for start in range(0, num_seqs, DECODE_CHUNK):
+        rows = order[start:start + DECODE_CHUNK]
+        out[rows] = _decode_chunk(q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale)
+    return out
+
+
+def _decode_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = int(context_lens.max())
-    max_blocks = (max_len + block_size - 1) // block_size
+    lens = context_lens.to(q.device)
+    max_blocks = (int(lens.max()) + block_size - 1) // block_size
     table = block_tables[:, :max_blocks].long()
-    # [num_seqs, max_len, num_kv_heads, head_dim]: the padded context of every sequence at once.
-    keys = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    values = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    compute_dtype = torch.float32
-    qg = q.to(compute_dtype).view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.to(compute_dtype)) * scale
-    positions = torch.arange(max_len, device=q.device)
-    pad = positions[None, :] >= context_lens[:, None].to(q.device)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.to(compute_dtype))
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    padded_len = max_blocks * block_size
+    # [num_seqs, num_kv_heads, padded_len, head_dim], computed in fp32 whatever the cache dtype.
+    keys = k_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
+    values = v_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
+    valid = torch.arange(padded_len, device=q.device)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().view(num_seqs, num_heads, 1, head_dim), keys, values,
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_attention_prefill(
