@@ -8,6 +8,9 @@ plot too. Two charts:
 - ``latency.png``: TTFT, TPOT, ITL and end-to-end latency percentiles (median solid, then dashed and
   dotted for the higher ones) against the same axis.
 
+When every file holds one run at the same x (say one run per setup), both charts are grouped bars
+instead, one bar per file.
+
 matplotlib (Agg backend) is imported only when plotting.
 """
 
@@ -27,6 +30,7 @@ LATENCY_METRICS = (
     ("e2el", "End-to-end latency"),
 )
 LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,59 +125,81 @@ def run(args: argparse.Namespace) -> int:
         ax.grid(True, alpha=0.3)
 
     written = []
+    # One point per series, all at the same x (e.g. one run per setup): grouped bars read better.
+    bars = len(ticks) == 1
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = os.path.join(args.out, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     # --- throughput
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, (name, runs) in enumerate(zip(names, series, strict=True)):
-        runs = sorted(runs, key=lambda r: x_value(r, args.x))
-        xs = [pos[x_value(r, args.x)] for r in runs]
-        color = colors[i % len(colors)]
-        axes[0].plot(xs, [r.get("output_throughput", 0.0) for r in runs], "o-", color=color, label=name)
-        axes[1].plot(xs, [r.get("request_throughput", 0.0) for r in runs], "o-", color=color, label=name)
-    axes[0].set_ylabel("output tokens/s")
-    axes[0].set_title(title + "output token throughput")
-    axes[1].set_ylabel("requests/s")
-    axes[1].set_title(title + "request throughput")
-    for ax in axes:
-        setup_x(ax)
+    for ax, key, ylabel, what in (
+        (axes[0], "output_throughput", "output tokens/s", "output token throughput"),
+        (axes[1], "request_throughput", "requests/s", "request throughput"),
+    ):
+        if bars:
+            values = [float(runs[0].get(key, 0.0)) for runs in series]
+            rects = ax.bar(
+                range(len(names)), values, color=[colors[i % len(colors)] for i in range(len(names))]
+            )
+            ax.bar_label(rects, fmt="%.3g", fontsize=8)
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, rotation=15 if len(names) > 3 else 0)
+            ax.set_xlabel(f"{xlabel} {tick_labels[0]}")
+            ax.grid(True, axis="y", alpha=0.3)
+        else:
+            for i, (name, runs) in enumerate(zip(names, series, strict=True)):
+                runs = sorted(runs, key=lambda r: x_value(r, args.x))
+                xs = [pos[x_value(r, args.x)] for r in runs]
+                ys = [float(r.get(key, 0.0)) for r in runs]
+                ax.plot(xs, ys, "o-", color=colors[i % len(colors)], label=name)
+            setup_x(ax)
+            ax.legend(fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title + what)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(args.out, "throughput.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "throughput.png")
 
     # --- latency percentiles
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    words = ["median" if p == 50 else f"p{p:g}" for p in percentiles]
     for ax, (key, label) in zip(axes.flat, LATENCY_METRICS, strict=True):
-        for i, (name, runs) in enumerate(zip(names, series, strict=True)):
-            runs = sorted(runs, key=lambda r: x_value(r, args.x))
-            color = colors[i % len(colors)]
-            for j, p in enumerate(percentiles):
-                pts = [(pos[x_value(r, args.x)], _metric(r, key, p)) for r in runs]
-                pts = [(x, y) for x, y in pts if y is not None]
-                if not pts:
-                    continue
-                word = "median" if p == 50 else f"p{p:g}"
-                ax.plot(
-                    [x for x, _ in pts],
-                    [y for _, y in pts],
-                    marker="o",
-                    linestyle=LINESTYLES[j % len(LINESTYLES)],
-                    color=color,
-                    label=f"{name} {word}",
-                )
+        if bars:  # groups: percentiles; one bar per series
+            width = 0.8 / max(len(names), 1)
+            for i, (name, runs) in enumerate(zip(names, series, strict=True)):
+                ys = [_metric(runs[0], key, p) for p in percentiles]
+                xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(percentiles))]
+                ax.bar(xs, [y or 0.0 for y in ys], width, color=colors[i % len(colors)], label=name)
+            ax.set_xticks(range(len(percentiles)))
+            ax.set_xticklabels(words)
+            ax.set_xlabel(f"{xlabel} {tick_labels[0]}")
+            ax.grid(True, axis="y", alpha=0.3)
+        else:  # one colour per series, one line style and marker per percentile
+            for i, (name, runs) in enumerate(zip(names, series, strict=True)):
+                runs = sorted(runs, key=lambda r: x_value(r, args.x))
+                for j, (p, word) in enumerate(zip(percentiles, words, strict=True)):
+                    pts = [(pos[x_value(r, args.x)], _metric(r, key, p)) for r in runs]
+                    pts = [(x, y) for x, y in pts if y is not None]
+                    if pts:
+                        ax.plot(
+                            [x for x, _ in pts],
+                            [y for _, y in pts],
+                            marker=MARKERS[j % len(MARKERS)],
+                            linestyle=LINESTYLES[j % len(LINESTYLES)],
+                            color=colors[i % len(colors)],
+                            label=f"{name} {word}",
+                        )
+            setup_x(ax)
         ax.set_title(title + label)
         ax.set_ylabel("ms")
-        setup_x(ax)
         ax.set_ylim(bottom=0)
-        if ax.lines:
+        if ax.lines or ax.patches:
             ax.legend(fontsize=7, handlelength=3.5)
-    fig.tight_layout()
-    path = os.path.join(args.out, "latency.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "latency.png")
 
     for p in written:
         print(p)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import socket
 import subprocess
 import sys
@@ -60,10 +59,6 @@ def standin(*extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
         yield base, proc
     finally:
         stop(proc)
-
-
-def real_server_available() -> bool:
-    return importlib.util.find_spec("pagedserve.server.api.cli") is not None
 
 
 def bench_args(module, argv: list[str]) -> argparse.Namespace:

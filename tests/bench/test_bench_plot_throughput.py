@@ -39,6 +39,14 @@ def test_plot_writes_pngs(tmp_path):
         assert img.std() > 0.01  # not a blank canvas
     args = bench_args(plot, [str(sweep), "--out", str(out / "rate"), "--x", "request-rate"])
     assert plot.run(args) == 0 and (out / "rate" / "latency.png").exists()
+    # one run per file at the same concurrency (one run per setup): grouped bars
+    files = []
+    for name, tps in (("single", 20.0), ("prefix-hash", 30.0), ("round-robin", 15.0)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(fake_run(8, tps, 1000.0 / tps, label=name)))
+    assert plot.run(bench_args(plot, [*map(str, files), "--out", str(out / "bars")])) == 0
+    img = matplotlib_image.imread(str(out / "bars" / "throughput.png"))
+    assert img.ndim == 3 and img.std() > 0.01
 
 
 def test_plot_rejects_bad_files(tmp_path):
@@ -50,13 +58,6 @@ def test_plot_rejects_bad_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_throughput_tiny_against_hf(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    try:
-        from pagedserve.server.loader import load_model  # noqa: F401
-
-        from pagedserve import LLM  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"the offline engine is not complete in this tree yet: {e}")
     out = tmp_path / "tp.json"
     args = bench_args(
         throughput,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -194,5 +195,6 @@ def test_bench_modules_import_light():
         "heavy = [m for m in ('torch', 'matplotlib', 'transformers', 'numpy') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}  # ./operator must not shadow the stdlib module
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
