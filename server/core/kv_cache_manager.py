@@ -98,10 +98,10 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
-            tokens = request.all_token_ids
             parent = hashes[-1] if hashes else self.root_hash
+            size = self.block_size
             for i in range(len(hashes), num_full):
-                parent = hash_block(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+                parent = hash_block(parent, request.token_slice(i * size, (i + 1) * size))
                 hashes.append(parent)
         return hashes
 

@@ -21,11 +21,10 @@ def init_offsets(request: Request) -> None:
 
 def decode_new_text(tokenizer: PreTrainedTokenizerBase, request: Request, upto: int) -> str:
     """Text added by tokens ``[read_offset, upto)`` of the request's tokens; advances the offsets."""
-    tokens = request.all_token_ids
     skip = request.params.skip_special_tokens
-    prefix_text = tokenizer.decode(tokens[request.prefix_offset:request.read_offset],
+    prefix_text = tokenizer.decode(request.token_slice(request.prefix_offset, request.read_offset),
                                    skip_special_tokens=skip)
-    full_text = tokenizer.decode(tokens[request.prefix_offset:upto], skip_special_tokens=skip)
+    full_text = tokenizer.decode(request.token_slice(request.prefix_offset, upto), skip_special_tokens=skip)
     if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
         return ""
     request.prefix_offset = request.read_offset

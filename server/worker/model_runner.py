@@ -93,7 +93,7 @@ class ModelRunner:
         for row, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            token_ids.extend(request.all_token_ids[start:end])
+            token_ids.extend(request.token_slice(start, end))
             positions.extend(range(start, end))
             rows.extend([row] * item.num_new_tokens)
             context_lens.append(end)
