@@ -122,17 +122,21 @@ def _causal_attention(
 ) -> torch.Tensor:
     """q ``[q_len, H, D]`` at the last q_len positions of a context ``[ctx, Hkv, D]``."""
     q_len, context_len = q.shape[0], keys.shape[0]
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-    query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-    key_pos = torch.arange(context_len, device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
-        attn_mask=mask, scale=scale,
-    )
-    return out.transpose(0, 1)
+    # [1, heads, len, D]: with a batch dimension the CPU SDPA takes its flash kernel, without one the
+    # math path (4x slower).
+    q = q.transpose(0, 1)[None]
+    keys, values = keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype)
+    if q_len == context_len:  # a whole prompt: SDPA's own causal mask is the right one
+        out = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1
+        )
+    else:  # after a cached prefix: SDPA's is_causal aligns top-left, these queries need bottom-right
+        query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1
+        )
+    return out[0].transpose(0, 1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
