@@ -23,10 +23,9 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from pagedserve.server.layers.activation import get_act_and_mul
 from pagedserve.server.layers.attention import Attention, AttentionMetadata, select_backend
-from pagedserve.server.layers.linear import Linear, VocabEmbedding
+from pagedserve.server.layers.linear import Linear, VocabEmbedding, linear
 from pagedserve.server.layers.norm import RMSNorm
 from pagedserve.server.layers.rotary import RotaryEmbedding, rope_parameters
 from torch import nn
@@ -241,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def attention_layers(self) -> list[Attention]:
         """The ``Attention`` module of every layer, in order, for the runner to bind caches and kernels."""
