@@ -13,7 +13,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"  # "triton" | "torch"; default: triton on CUDA, torch elsewhere
+# "triton" | "cpu" | "torch"; default: triton on CUDA, cpu (the references plus the C++ decode attention)
+# elsewhere. "torch" is the pure references.
+BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
 
 
 @dataclass
@@ -32,10 +34,15 @@ class AttentionMetadata:
 
 
 def select_backend(device: torch.device, override: str | None = None) -> ModuleType:
-    """The kernel module: Triton on CUDA, the torch reference elsewhere, unless overridden."""
+    """The kernel module: Triton on CUDA, the CPU backend elsewhere, unless overridden."""
     choice = (override or os.environ.get(BACKEND_ENV) or "").lower()
     if not choice:
-        choice = "triton" if device.type == "cuda" else "torch"
+        choice = "triton" if device.type == "cuda" else "cpu"
+    if choice == "cpu":
+        from pagedserve.kernels import cpu
+
+        cpu.load_extension()  # compile now, not inside the first request
+        return cpu
     if choice == "torch":
         from pagedserve.kernels import reference
 
@@ -44,7 +51,7 @@ def select_backend(device: torch.device, override: str | None = None) -> ModuleT
         import pagedserve.kernels as triton_kernels
 
         return triton_kernels
-    raise ValueError(f"{BACKEND_ENV} must be 'triton' or 'torch', got {choice!r}")
+    raise ValueError(f"{BACKEND_ENV} must be 'triton', 'cpu' or 'torch', got {choice!r}")
 
 
 class Attention(nn.Module):

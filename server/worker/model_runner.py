@@ -55,8 +55,9 @@ class ModelRunner:
             layer.kernels = kernels
             self.kv_caches.append((layer.k_cache, layer.v_cache))
         self.graphs: DecodeGraphs | None = None
-        # The torch reference decode reads context lengths on the host, which a graph cannot hold.
-        if device.type == "cuda" and not enforce_eager and kernels.__name__ != "pagedserve.kernels.reference":
+        # Only the Triton kernels keep context lengths on the device; the references read them on the
+        # host, which a graph cannot hold.
+        if device.type == "cuda" and not enforce_eager and kernels.__name__ == "pagedserve.kernels":
             self.graphs = DecodeGraphs(model, max_num_seqs, max_model_len, block_size, device)
             self.graphs.capture()
 

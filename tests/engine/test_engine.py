@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from pagedserve.kernels import reference
 from pagedserve.server.engine.llm_engine import LLMEngine, StepError
 
 from pagedserve import LLM, SamplingParams, default_model
@@ -101,6 +102,16 @@ def test_greedy_under_scheduling_regimes(
     if "num_gpu_blocks_override" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leak(llm.engine)
+
+
+def test_greedy_with_the_pure_torch_backend(
+    model_path: str, prompts: list[list[int]], hf_greedy: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The references alone (the oracle of the C++ and Triton kernels) give the same tokens too."""
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
+    llm = LLM(model_path)
+    assert llm.engine.runner.model.attention_layers()[0].kernels is reference
+    assert run_greedy(llm, prompts) == hf_greedy
 
 
 @pytest.fixture

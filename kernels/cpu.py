@@ -1,0 +1,115 @@
+"""The engine's CPU backend: C++ kernels for float32, with the torch references as their fallback.
+
+Decode attention is most of a CPU decode step, and the reference spends it gathering every sequence's
+blocks into a padded batch; ``csrc/paged_attention_cpu.cpp`` reads the blocks in place instead. The
+norms, SiLU-and-mul and rotary embedding (``csrc/elementwise_cpu.cpp``) are one pass each instead of
+five to ten ATen ops, which at decode batch sizes cost more than their arithmetic. Prefill attention and
+the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are already good).
+
+The C++ is compiled on first use with torch's JIT extension builder (a C++ compiler and ninja are
+needed; the build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).
+Where it cannot be built, or for dtypes other than float32, the references run, so this module always
+works.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import reference
+from .reference import paged_attention_prefill, store_kv_cache
+
+__all__ = [
+    "apply_rotary",
+    "fused_add_rms_norm",
+    "load_extension",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv_cache",
+]
+
+logger = logging.getLogger(__name__)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+
+
+@functools.cache
+def load_extension() -> Any | None:
+    """Build (once per machine and source version) and load the C++ ops; ``None`` if that fails."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    # Compiled for the CPU at hand; the name keys torch's build cache, so each flavour builds apart.
+    simd_flags = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    name = "pagedserve_cpu_kernels_" + ("avx2" if simd_flags else "generic")
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("Loading the CPU kernels (compiled on first use, about 30 s)")
+        load(
+            name,
+            [str(CSRC / source) for source in SOURCES],
+            extra_cflags=["-O3", "-fopenmp-simd", *simd_flags],
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+        )
+        return torch.ops.pagedserve
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the references still work
+        logger.warning("CPU kernels unavailable, using the torch references: %s", error)
+        return None
+
+
+def _native(*tensors: torch.Tensor) -> Any | None:
+    """The compiled ops when every tensor is float32 on the CPU, else ``None``."""
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return load_extension()
+    return None
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ``reference.paged_attention_decode``."""
+    ops = _native(q, k_cache, v_cache)
+    if ops is None:
+        return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    tables, lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
+    return ops.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    ops = _native(x, weight)
+    return reference.rms_norm(x, weight, eps) if ops is None else ops.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ops = _native(x, residual, weight)
+    if ops is None:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    return ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ops = _native(q, k, cos_sin_cache)
+    if ops is None:
+        return reference.apply_rotary(q, k, positions, cos_sin_cache)
+    return ops.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    ops = _native(x)
+    return reference.silu_and_mul(x) if ops is None else ops.silu_and_mul(x)

@@ -1,0 +1,210 @@
+// Paged decode attention for CPUs: one query per sequence, reading the K/V blocks in place.
+//
+// The torch reference gathers every sequence's blocks into a padded batch before attending, which
+// copies the whole context once more per layer; on a CPU that traffic is most of a decode step. Here
+// each (sequence, KV head) pair walks its block table, so the cache is read once, and all query heads
+// of a GQA group share each key and value row while it is in L1.
+//
+// Registered as torch.ops.pagedserve.paged_attention_decode; pagedserve/kernels/cpu.py builds it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+struct Shape {
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
+};
+
+// Scores q . k * scale of one query head against `count` consecutive rows of a block.
+void block_scores(const float* query, const float* key, int64_t count, const Shape& s, float scale,
+                  float* out) {
+  int64_t t = 0;
+#ifdef PAGEDSERVE_AVX2
+  if (s.head_dim % 8 == 0) {
+    for (; t + 4 <= count; t += 4) {
+      const float* k0 = key + t * s.token_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < s.head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(query + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + s.token_stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * s.token_stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * s.token_stride + d), a3);
+      }
+      // Four horizontal sums at once.
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(out + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+  }
+#endif
+  for (; t < count; ++t) {
+    const float* k = key + t * s.token_stride;
+    float acc = 0.f;
+    for (int64_t d = 0; d < s.head_dim; ++d) acc += query[d] * k[d];
+    out[t] = acc * scale;
+  }
+}
+
+#ifdef PAGEDSERVE_AVX2
+// exp for x <= 0 (softmax after subtracting the max). Below -87 the result is flushed to 0: those
+// weights are far below float32 resolution next to the max's 1, and denormal products would stall.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(underflow, pagedserve::exp256(x));
+}
+#endif
+
+// In place: row <- softmax(row).
+void softmax(float* row, int64_t n) {
+  const float peak = *std::max_element(row, row + n);
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef PAGEDSERVE_AVX2
+  const __m256 peak_v = _mm256_set1_ps(peak);
+  __m256 total_v = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), peak_v));
+    _mm256_storeu_ps(row + i, e);
+    total_v = _mm256_add_ps(total_v, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total_v);
+  for (float lane : lanes) total += lane;
+#endif
+  for (; i < n; ++i) {
+    row[i] = std::exp(row[i] - peak);
+    total += row[i];
+  }
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+}
+
+// out[0:head_dim] += sum over `count` value rows of weights[t] * value[t].
+void accumulate_values(const float* weights, const float* value, int64_t count, const Shape& s, float* out) {
+  int64_t d = 0;
+#ifdef PAGEDSERVE_AVX2
+  // 64 output dims stay in eight registers across the block's rows.
+  for (; d + 64 <= s.head_dim; d += 64) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_loadu_ps(out + d + 8 * j);
+    for (int64_t t = 0; t < count; ++t) {
+      const __m256 w = _mm256_set1_ps(weights[t]);
+      const float* v = value + t * s.token_stride + d;
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + d + 8 * j, acc[j]);
+  }
+#endif
+  for (; d < s.head_dim; ++d) {
+    float acc = out[d];
+    for (int64_t t = 0; t < count; ++t) acc += weights[t] * value[t * s.token_stride + d];
+    out[d] = acc;
+  }
+}
+
+// Blocks are requested this far ahead of use: a block takes about as long to compute on as a quarter
+// of its fetch from memory, and its successor in the table is rarely its neighbour in memory.
+constexpr int64_t kPrefetchBlocks = 4;
+
+void prefetch_block(const float* cache, const int32_t* table, int64_t b, int64_t num_blocks, const Shape& s) {
+  if (b >= num_blocks) return;
+  const float* block = cache + table[b] * s.block_stride;
+  for (int64_t i = 0; i < s.block_stride; i += 16) __builtin_prefetch(block + i);
+}
+
+// One sequence: every query head attends over the whole cached context. Heads are the inner loop so
+// each block's K (then V) is read as one contiguous stream.
+void attend(const float* queries, const float* k_cache, const float* v_cache, const int32_t* table,
+            int64_t context_len, const Shape& s, float scale, std::vector<float>& scores, float* outs) {
+  std::fill(outs, outs + s.num_heads * s.head_dim, 0.f);
+  if (context_len <= 0) return;
+  scores.resize(s.num_heads * context_len);
+  const int64_t num_blocks = (context_len + s.block_size - 1) / s.block_size;
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(k_cache, table, b, num_blocks, s);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    prefetch_block(k_cache, table, b + kPrefetchBlocks, num_blocks, s);
+    const float* block = k_cache + table[b] * s.block_stride;
+    const int64_t first = b * s.block_size, count = std::min(s.block_size, context_len - first);
+    for (int64_t h = 0; h < s.num_heads; ++h)
+      block_scores(queries + h * s.head_dim, block + (h / s.group) * s.head_dim, count, s, scale,
+                   scores.data() + h * context_len + first);
+  }
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(v_cache, table, b, num_blocks, s);
+  for (int64_t h = 0; h < s.num_heads; ++h) softmax(scores.data() + h * context_len, context_len);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    prefetch_block(v_cache, table, b + kPrefetchBlocks, num_blocks, s);
+    const float* block = v_cache + table[b] * s.block_stride;
+    const int64_t first = b * s.block_size, count = std::min(s.block_size, context_len - first);
+    for (int64_t h = 0; h < s.num_heads; ++h)
+      accumulate_values(scores.data() + h * context_len + first, block + (h / s.group) * s.head_dim, count, s,
+                        outs + h * s.head_dim);
+  }
+}
+
+// q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 (each >= 1).
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pagedserve CPU attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "pagedserve CPU attention: float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "pagedserve CPU attention: int32 block tables and context lengths");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "pagedserve CPU attention: contiguous caches");
+  const at::Tensor query = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  Shape s;
+  s.num_heads = query.size(1);
+  s.head_dim = query.size(2);
+  s.block_size = k_cache.size(1);
+  s.num_kv_heads = k_cache.size(2);
+  s.group = s.num_heads / s.num_kv_heads;
+  s.max_blocks = tables.size(1);
+  s.token_stride = s.num_kv_heads * s.head_dim;
+  s.block_stride = s.block_size * s.token_stride;
+  const int64_t num_seqs = query.size(0);
+  at::Tensor out = at::empty_like(query);
+  const float* q_ptr = query.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  // Longest contexts first, handed out one at a time, so threads finish together.
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
+      const int64_t seq = order[i];
+      attend(q_ptr + seq * s.num_heads * s.head_dim, k_ptr, v_ptr, table_ptr + seq * s.max_blocks, len_ptr[seq], s,
+             fscale, scores, out_ptr + seq * s.num_heads * s.head_dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_attention_decode", c10::DispatchKey::CPU, TORCH_FN(paged_attention_decode));
+}

@@ -1,0 +1,110 @@
+"""The CPU backend's C++ kernels against the torch references, and the backend choice."""
+
+import pytest
+import torch
+from pagedserve.kernels import cpu, reference
+from pagedserve.kernels.testing import make_paged_case
+from pagedserve.server.layers.attention import select_backend
+
+
+@pytest.fixture(scope="module")
+def op():
+    compiled = cpu.load_extension()
+    # CI and development machines have g++ and ninja: a build failure here is a bug, not a skip.
+    assert compiled is not None, "the CPU kernels did not build (see the warning above)"
+    return compiled
+
+
+def contexts(block_size: int) -> list[int]:
+    """One token, exactly block-aligned, ragged, long and ragged, and a few tokens."""
+    return [1, 2 * block_size, 2 * block_size + 5, 9 * block_size + 3, 7]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [
+        (4, 4, 64),  # no GQA
+        (9, 3, 64),  # the embedded model
+        (16, 2, 128),  # GQA 8, Llama-3 head_dim
+        (6, 2, 40),  # head_dim not a multiple of 64: the vector value path's scalar tail
+        (3, 1, 20),  # head_dim not a multiple of 8: scalar scores
+    ],
+)
+def test_matches_reference(op, num_heads, num_kv_heads, head_dim, block_size):
+    case = make_paged_case(contexts(block_size), num_heads, num_kv_heads, head_dim, block_size, seed=3)
+    args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, head_dim**-0.5)
+    actual = cpu.paged_attention_decode(*args)
+    expected = reference.paged_attention_decode(*args)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert (actual - expected).abs().max().item() <= 1e-5
+
+
+def test_large_scores_stay_finite(op):
+    """Scores in the hundreds: the softmax must subtract the max before exponentiating."""
+    case = make_paged_case([300, 17], 9, 3, 64, 16, seed=4)
+    args = (case.q_decode * 40, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 1.0)
+    actual = cpu.paged_attention_decode(*args)
+    assert torch.isfinite(actual).all()
+    assert (actual - reference.paged_attention_decode(*args)).abs().max().item() <= 1e-4
+
+
+def test_other_dtypes_use_the_reference(op):
+    case = make_paged_case(contexts(16), 9, 3, 64, 16, dtype=torch.bfloat16, seed=5)
+    args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    assert torch.equal(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-5) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert (actual - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("width", [576, 100])  # a multiple of 8 and not: vector and scalar tails
+def test_norms_match_reference(op, rows, width):
+    gen = torch.Generator().manual_seed(rows + width)
+    x, residual = torch.randn(rows, width, generator=gen) * 3, torch.randn(rows, width, generator=gen)
+    weight = torch.randn(width, generator=gen)
+    assert_close(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    for actual, expected in zip(
+        cpu.fused_add_rms_norm(x, residual, weight, 1e-6),
+        reference.fused_add_rms_norm(x, residual, weight, 1e-6),
+        strict=True,
+    ):
+        assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (64, 3072), (5, 2, 18)])
+def test_silu_and_mul_matches_reference(op, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 6  # reaches exp's clamps
+    x[0, ..., 0] = 100.0
+    x[0, ..., 1] = -100.0
+    assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), 1e-4)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (2, 1, 10)])
+def test_apply_rotary_matches_reference(op, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(11, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    # Views into a fused projection, as the model passes them: not contiguous.
+    q = qkv[:, : heads * head_dim].view(11, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(11, kv_heads, head_dim)
+    positions = torch.randint(0, 500, (11,), generator=gen)
+    cache = torch.randn(512, head_dim, generator=gen)
+    for actual, expected in zip(
+        cpu.apply_rotary(q, k, positions, cache), reference.apply_rotary(q, k, positions, cache), strict=True
+    ):
+        assert_close(actual, expected)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu.apply_rotary(q, k, torch.full((11,), 512), cache)
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
+    assert select_backend(torch.device("cpu")) is cpu
+    assert select_backend(torch.device("cpu"), "torch") is reference
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
+    assert select_backend(torch.device("cpu")) is reference
+    with pytest.raises(ValueError, match="'triton', 'cpu' or 'torch'"):
+        select_backend(torch.device("cpu"), "cuda")
