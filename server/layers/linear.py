@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# oneDNN's fp32 matmul beats the MKL sgemm behind F.linear at every shape of a decode or prefill step we
-# measured on an AVX2 AMD EPYC (20-45% at decode batch sizes, 5-10% at prefill); see benchmarks/README.md.
+# oneDNN's fp32 matmul is faster than the MKL sgemm behind F.linear at decode batch sizes on an AVX2 AMD
+# EPYC (1.27x for a forward's projections at 1-8 rows) and on par at prefill sizes (within +-10%, either
+# way from run to run); see benchmarks/cpu_kernels.py and benchmarks/README.md.
 _ONEDNN_LINEAR = (
     getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 )
