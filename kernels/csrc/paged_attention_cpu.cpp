@@ -2,8 +2,8 @@
 //
 // The torch reference gathers every sequence's blocks into a padded batch before attending, which
 // copies the whole context once more per layer; on a CPU that traffic is most of a decode step. Here
-// each (sequence, KV head) pair walks its block table, so the cache is read once, and all query heads
-// of a GQA group share each key and value row while it is in L1.
+// each sequence walks its block table, so the cache is read once, block by block, and every query head
+// uses each key and value row while it is in L1.
 //
 // Registered as torch.ops.pagedserve.paged_attention_decode; pagedserve/kernels/cpu.py builds it.
 #include <ATen/ATen.h>
@@ -113,8 +113,8 @@ void accumulate_values(const float* weights, const float* value, int64_t count, 
   }
 }
 
-// Blocks are requested this far ahead of use: a block takes about as long to compute on as a quarter
-// of its fetch from memory, and its successor in the table is rarely its neighbour in memory.
+// Blocks are requested this far ahead of use, since a block's successor in the table need not be its
+// neighbour in memory. (One block ahead measured the same within this machine's noise; four cost nothing.)
 constexpr int64_t kPrefetchBlocks = 4;
 
 void prefetch_block(const float* cache, const int32_t* table, int64_t b, int64_t num_blocks, const Shape& s) {
@@ -164,6 +164,10 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "pagedserve CPU attention: int32 block tables and context lengths");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "pagedserve CPU attention: contiguous caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "pagedserve CPU attention: shapes do not follow the kernel contract");
   const at::Tensor query = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
   Shape s;
   s.num_heads = query.size(1);
@@ -184,6 +188,17 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
+  // A bad table would read outside the cache: refuse it here, as the reference's indexing would.
+  const int64_t cache_blocks = k_cache.size(0);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t used = (len_ptr[seq] + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(len_ptr[seq] >= 0 && used <= s.max_blocks,
+                "paged_attention_decode: context longer than its block table");
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = table_ptr[seq * s.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < cache_blocks, "paged_attention_decode: block id out of range");
+    }
+  }
   // Longest contexts first, handed out one at a time, so threads finish together.
   std::vector<int64_t> order(num_seqs);
   std::iota(order.begin(), order.end(), 0);

@@ -49,6 +49,19 @@ def test_large_scores_stay_finite(op):
     assert (actual - reference.paged_attention_decode(*args)).abs().max().item() <= 1e-4
 
 
+def test_bad_block_table_is_refused(op):
+    """An error, not a read outside the cache."""
+    case = make_paged_case([40, 17], 9, 3, 64, 16, seed=6)
+    args = [case.q_decode, case.k_cache, case.v_cache, case.block_tables.clone(), case.context_lens, 0.125]
+    args[3][1, 0] = case.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu.paged_attention_decode(*args)
+    too_long = 16 * case.block_tables.shape[1] + 1
+    args[3], args[4] = case.block_tables, torch.tensor([40, too_long], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        cpu.paged_attention_decode(*args)
+
+
 def test_other_dtypes_use_the_reference(op):
     case = make_paged_case(contexts(16), 9, 3, 64, 16, dtype=torch.bfloat16, seed=5)
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
