@@ -12,7 +12,8 @@ chunk has arrived, so a replica that dies during prefill is retried too. After t
 ends the stream: with an OpenAI-style error event for ``text/event-stream``, else by closing the
 connection.
 
-The router's own errors use OpenAI's error JSON ``{"error": {"message", "type", "param", "code"}}``.
+The router's own errors use the engine server's OpenAI error JSON (server/api/errors.py), so a client
+sees one error shape whether the router or a replica refused it.
 Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready),
 ``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators).
 """
@@ -42,6 +43,7 @@ from pagedserve.router.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from pagedserve.server.api.errors import error_json_bytes as error_json
 
 logger = logging.getLogger(__name__)
 
@@ -64,30 +66,6 @@ _DROP_REQUEST = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _DROP_RESPONSE = _HOP_BY_HOP
 
 _TOKENIZE_INLINE_MAX = 64 * 1024  # request bodies above this are tokenized in a worker thread
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-
-def error_json(message: str, status: int, err_type: str | None = None, param: str | None = None) -> bytes:
-    return json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": err_type or _ERROR_TYPES.get(status, "RouterError"),
-                "param": param,
-                "code": status,
-            }
-        }
-    ).encode()
-
 
 @dataclass
 class RouterConfig:
@@ -344,7 +322,8 @@ class RouterApp:
         if self._auth is not None:
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if auth is None or not hmac.compare_digest(auth, self._auth):
-                await _send_simple(send, 401, error_json("invalid or missing API key", 401))
+                body = error_json("invalid or missing API key", 401, code="invalid_api_key")
+                await _send_simple(send, 401, body)
                 metrics.request_done("none", "401")
                 return
         body = await _read_body(receive)

@@ -1,8 +1,12 @@
 """Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every failure the server answers with goes through here: request validation (FastAPI's 422 becomes a 400,
-as OpenAI and vLLM answer), unknown routes and methods, the serving layer's own checks, and unexpected
-exceptions (a 500 whose message names the exception class, nothing more).
+The one builder of that shape for the whole stack: the engine server (router/proxy.py too) answers every
+failure through here: request validation (FastAPI's 422 becomes a 400, as OpenAI and vLLM answer),
+unknown routes and methods, the serving layer's own checks, unexpected exceptions (a 500 whose message
+names the exception class, nothing more), and the router's own refusals (no backend, bad gateway).
+
+The builder itself imports nothing heavier than ``json``: the router, which runs in the slim image,
+imports it without FastAPI's request machinery; ``install_error_handlers`` brings FastAPI in.
 """
 
 from __future__ import annotations
@@ -10,12 +14,11 @@ from __future__ import annotations
 import json
 import logging
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+    from starlette.responses import JSONResponse
 
 logger = logging.getLogger("pagedserve.api")
 
@@ -27,7 +30,9 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
+    502: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -56,6 +61,8 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
+    from starlette.responses import JSONResponse
+
     return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
 
 
@@ -80,6 +87,9 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())

@@ -138,7 +138,7 @@ async def test_router_follows_endpointslices(tmp_path: Path, backends, tiny_toke
                             assert r.status_code == 200, r.text
                         await eventually(lambda: _eq(ready(), []), what="no replica")
                         r = await rc.post("/v1/completions", json={"prompt": "x"})
-                        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+                        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
                 finally:
                     proc.terminate()
                     await proc.wait()
