@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from operator_schemas import swagger_errors
 from pagedserve.operator import render
 from pagedserve.operator.kube import api_prefix
 from pagedserve.operator.resources import CHILD_KINDS
+
+from pagedserve.testing.kube import manifest_errors
 
 RULES: list[dict[str, Any]] = yaml.safe_load(
     (Path(__file__).parents[2] / "operator" / "rbac.yaml").read_text()
@@ -26,7 +27,7 @@ def allowed(group: str, resource: str, verb: str) -> bool:
 def test_rules_are_a_valid_cluster_role() -> None:
     assert isinstance(RULES, list) and RULES
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "x"}}
-    assert swagger_errors({**role, "rules": RULES}) == []
+    assert manifest_errors({**role, "rules": RULES}) == []
 
 
 def test_least_privilege() -> None:
