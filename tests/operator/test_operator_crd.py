@@ -1,5 +1,5 @@
 """crds/modeldeployment.yaml: its shape, its schema (structure, defaults, CEL rules), and that it agrees
-with the operator's typed spec (pagedserve/operator/spec.py)."""
+with the operator's typed spec (operator/spec.py), from which operator/crd.py generates it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ CRD = load_crd()
 (VERSION,) = CRD["spec"]["versions"]
 SCHEMA = CRDSchema(CRD)
 
-# DESIGN.md's example, as written there (its one-line `nodeSelector: {}, tolerations: [], ...` split up).
+# A full ModelDeployment: every field of the spec set (the design example the operator was built from).
 EXAMPLE = {
     "apiVersion": "pagedserve.io/v1alpha1",
     "kind": "ModelDeployment",

@@ -1,20 +1,17 @@
-"""operator/rbac.yaml: the operator's ClusterRole rules (the chart's ClusterRole is built from it)."""
+"""operator/rbac.py: the operator's ClusterRole rules (the chart's ClusterRole is built from them)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pagedserve.operator import render
 from pagedserve.operator.kube import api_prefix
+from pagedserve.operator.rbac import operator_rules
 from pagedserve.operator.resources import CHILD_KINDS
 
 from pagedserve.testing.kube import manifest_errors
 
-RULES: list[dict[str, Any]] = yaml.safe_load(
-    (Path(__file__).parents[2] / "operator" / "rbac.yaml").read_text()
-)
+RULES: list[dict[str, Any]] = operator_rules()
 
 
 def allowed(group: str, resource: str, verb: str) -> bool:
