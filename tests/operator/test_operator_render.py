@@ -83,6 +83,57 @@ SPECS: dict[str, dict[str, Any]] = {
     "pvc-model": md(
         model="pvc://weights/llama/8b", modelCache={"size": "20Gi", "accessMode": "ReadWriteMany"}
     ),
+    # Every field of the spec set (the "minimal" case is "defaults").
+    "full": md(
+        servedModelName="llama",
+        replicas=3,
+        image="registry.example/pagedserve:0.1.0",
+        imagePullPolicy="IfNotPresent",
+        imagePullSecrets=[{"name": "registry"}],
+        resources={
+            "gpus": 2,
+            "gpuResourceName": "nvidia.com/gpu",
+            "cpu": "500m",
+            "memory": 64,
+            "shmSize": "8Gi",
+        },
+        engine={
+            "maxModelLen": 4096,
+            "blockSize": 32,
+            "gpuMemoryUtilization": 0.85,
+            "maxNumSeqs": 64,
+            "maxNumBatchedTokens": 8192,
+            "dtype": "float16",
+            "enablePrefixCaching": False,
+            "startupTimeoutSeconds": 600,
+            "extraArgs": ["--seed", "1"],
+        },
+        router={
+            "replicas": 3,
+            "strategy": "least-load",
+            "meanLoadFactor": 1.5,
+            "image": "registry.example/pagedserve-control:0.1.0",
+            "tokenizer": "meta-llama/Llama-3.1-8B-Instruct",
+            "resources": {"cpu": 2, "memory": "1Gi"},
+            "extraArgs": ["--max-retries", "2"],
+        },
+        modelCache={"size": "100Gi", "storageClassName": "fast", "accessMode": "ReadWriteOncePod"},
+        hfTokenSecret={"name": "hf", "key": "t"},
+        apiKeySecret={"name": "api", "key": "k"},
+        autoscaling={
+            "minReplicas": 2,
+            "maxReplicas": 6,
+            "targetWaitingRequests": 2.5,
+            "metricName": "waiting",
+        },
+        nodeSelector={"pool": "gpu"},
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60}],
+        podAnnotations={"team": "ml"},
+        env=[
+            {"name": "A", "value": "1"},
+            {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+    ),
 }
 
 
@@ -127,6 +178,12 @@ def test_every_child_validates_and_is_owned(case: str) -> None:
         if child["kind"] == "PodMonitor":
             check_podmonitor(child)
         assert manifest_errors(child) == [], f"{child['kind']}/{meta['name']}"
+
+
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_the_modeldeployment_itself_validates(case: str) -> None:
+    """Every input above is one the API server accepts (the generated CRD's schema, defaults, CEL)."""
+    assert manifest_errors(SPECS[case]) == []
 
 
 def check_podmonitor(monitor: dict[str, Any]) -> None:
