@@ -37,9 +37,9 @@ from pagedserve.operator.spec import QUANTITY_RE
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "modeldeployment.yaml"
 
-# The oldest and the newest Kubernetes minor pagedserve supports (README: "Kubernetes versions").
-# 1.28 is the oldest with everything the CRD and the operator's output use (CEL validation rules on
-# by default, autoscaling/v2, policy/v1); 1.37 is the newest kubernetes-validate ships.
+# The oldest and the newest Kubernetes minor pagedserve supports: every manifest is checked against both.
+# 1.28 serves everything the CRD and the operator's output use (autoscaling/v2, policy/v1, CEL validation
+# rules and the ReadWriteOncePod access mode on by default); 1.37 is the newest kubernetes-validate ships.
 OLDEST_KUBERNETES = "1.28"
 NEWEST_KUBERNETES = "1.37"
 KUBERNETES_MINORS = (OLDEST_KUBERNETES, NEWEST_KUBERNETES)
