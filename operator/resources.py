@@ -55,6 +55,13 @@ CHILD_KINDS: dict[tuple[str, str], str] = {
 }
 
 
+# What each router's Role grants: it discovers the engine pods through their EndpointSlices.
+# operator/rbac.py grants the operator the same (RBAC lets it grant only what it holds itself).
+ROUTER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+]
+
+
 def engine_name(name: str) -> str:
     return f"{name}-engine"
 
@@ -272,7 +279,7 @@ class _Context:
         spec, res = self.spec, self.spec.resources
         requests = {"cpu": res.cpu_request, "memory": res.memory_request}
         limits = {"memory": res.memory_request}
-        tolerations = list(spec.tolerations)
+        tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
         if res.gpus:
             requests[res.gpu_resource_name] = str(res.gpus)
             limits[res.gpu_resource_name] = str(res.gpus)
@@ -287,7 +294,8 @@ class _Context:
             **self.container_common(self.image),
             "command": ["pagedserve", "serve"],
             "args": self.engine_args(),
-            "env": self.common_env("PAGEDSERVE_API_KEY") + list(spec.env),
+            "env": self.common_env("PAGEDSERVE_API_KEY")
+            + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "resources": {"requests": requests, "limits": limits},
             "startupProbe": {
@@ -474,13 +482,7 @@ class _Context:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": self.meta(router_name(self.name), "router"),
-            "rules": [
-                {
-                    "apiGroups": ["discovery.k8s.io"],
-                    "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"],
-                }
-            ],
+            "rules": copy.deepcopy(ROUTER_RULES),
         }
 
     def router_role_binding(self) -> dict[str, Any]:

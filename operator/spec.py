@@ -1,9 +1,11 @@
-"""The ModelDeployment spec, typed, with its defaults in one place.
+"""The ModelDeployment spec, typed: the one source of its fields, types, defaults, limits and rules.
 
-The CRD (crds/modeldeployment.yaml) carries the same defaults and limits so that the API server
-defaults and rejects; this module is what the operator reads, and it re-checks the same rules so
-that an object that reached the operator without server-side validation (an old CRD, an emulator)
-still fails with a message naming the field. ``tests/operator`` checks that both agree.
+operator/crd.py generates the CRD's openAPIV3Schema from these models (``make manifests`` writes
+crds/modeldeployment.yaml and the chart's copy), the way controller-gen generates CRDs from Go types.
+What only the API server can check is attached to the fields as schema extras: CEL rules
+(``x-kubernetes-validations``), server-side defaults of nested objects, integer formats. The
+operator re-checks the same rules here, so that an object that reached it without server-side
+validation (an old CRD, an emulator) still fails with a message naming the field.
 
 ``model`` is a Hugging Face repo id, ``pvc://<claim>/<path>`` (weights on an existing claim,
 mounted read-only) or a path inside the image. The special value ``embedded`` starts
@@ -14,7 +16,7 @@ mounted read-only) or a path inside the image. The special value ``embedded`` st
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -56,17 +58,45 @@ def quantity(value: Any) -> str:
     raise ValueError(f"{value!r} is not a quantity such as 8, 500m or 32Gi")
 
 
-class _Model(BaseModel):
+# Kubernetes integer formats (the scale subresource's replicas are int32).
+Int32 = Annotated[int, Field(json_schema_extra={"format": "int32"})]
+Int64 = Annotated[int, Field(json_schema_extra={"format": "int64"})]
+# A quantity (8, 500m, 32Gi): an int or a string in the API, normalised to a string by quantity().
+Quantity = Annotated[
+    str, Field(json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_RE.pattern})
+]
+
+
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """An x-kubernetes-validations entry: a rule the API server evaluates (CEL) on the field it sits on."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+# The API server fills in an absent nested object (or list), so that the defaults inside it apply.
+SERVER_DEFAULT_OBJECT = {"default": {}}
+SERVER_DEFAULT_LIST = {"default": []}
+
+
+class CamelModel(BaseModel):
+    """Kubernetes-style camelCase fields, unknown fields rejected, immutable."""
+
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
-class Resources(_Model):
-    gpus: int = Field(1, ge=0)
+class Resources(CamelModel):
+    gpus: int = Field(
+        1, ge=0, description="GPUs per engine replica; 0 runs the engine on CPU (--device cpu)."
+    )
     gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
     # Requests; memory is also the limit. Defaults depend on gpus (see the properties below).
-    cpu: str | None = None
-    memory: str | None = None
-    shm_size: str = "1Gi"
+    cpu: Quantity | None = Field(
+        None, description="CPU request per engine replica (default 4 with GPUs, 2 without)."
+    )
+    memory: Quantity | None = Field(
+        None,
+        description="Memory request and limit per engine replica (default 16Gi with GPUs, 4Gi without).",
+    )
+    shm_size: Quantity = Field("1Gi", description="Size of the memory-backed /dev/shm.")
 
     @field_validator("cpu", "memory", "shm_size", mode="before")
     @classmethod
@@ -82,7 +112,14 @@ class Resources(_Model):
         return self.memory or ("16Gi" if self.gpus else "4Gi")
 
 
-class Engine(_Model):
+class Engine(CamelModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
+            "spec.engine.maxNumBatchedTokens must be >= spec.engine.maxNumSeqs",
+        )
+    )
+
     max_model_len: int | None = Field(None, ge=1)
     block_size: Literal[8, 16, 32] = 16
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -90,9 +127,14 @@ class Engine(_Model):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     enable_prefix_caching: bool = True
-    # Seconds the startup probe waits for the model to load before the pod is restarted.
-    startup_timeout_seconds: int = Field(1800, ge=10)
-    extra_args: list[str] = Field(default_factory=list)
+    startup_timeout_seconds: int = Field(
+        1800, ge=10, description="How long the startup probe waits for the model to load."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Appended to `pagedserve serve` (vLLM-compatible flags).",
+        json_schema_extra=SERVER_DEFAULT_LIST,
+    )
 
     @model_validator(mode="after")
     def _batched_tokens(self) -> Engine:
@@ -101,9 +143,9 @@ class Engine(_Model):
         return self
 
 
-class RouterResources(_Model):
-    cpu: str = "1"
-    memory: str = "2Gi"
+class RouterResources(CamelModel):
+    cpu: Quantity = "1"
+    memory: Quantity = "2Gi"
 
     @field_validator("cpu", "memory", mode="before")
     @classmethod
@@ -111,21 +153,38 @@ class RouterResources(_Model):
         return quantity(value)
 
 
-class Router(_Model):
-    replicas: int = Field(2, ge=0)
+class Router(CamelModel):
+    replicas: Int32 = Field(2, ge=0)
     strategy: Literal["prefix-hash", "least-load", "round-robin"] = "prefix-hash"
-    mean_load_factor: float = Field(1.25, ge=1.0)
-    image: str | None = Field(None, min_length=1)
-    # Where the router loads the tokenizer from; default: the model (nothing for "embedded").
-    tokenizer: str | None = Field(None, min_length=1)
-    resources: RouterResources = Field(default_factory=RouterResources)
-    extra_args: list[str] = Field(default_factory=list)
+    mean_load_factor: float = Field(1.25, ge=1)
+    image: str | None = Field(
+        None,
+        min_length=1,
+        description="Router image (default chosen by the operator, the slim `control` image).",
+    )
+    tokenizer: str | None = Field(
+        None, min_length=1, description="Where the router loads the tokenizer from (default the model)."
+    )
+    resources: RouterResources = Field(
+        default_factory=RouterResources, json_schema_extra=SERVER_DEFAULT_OBJECT
+    )
+    extra_args: list[str] = Field(default_factory=list, json_schema_extra=SERVER_DEFAULT_LIST)
 
 
-class ModelCache(_Model):
-    size: str = "50Gi"
-    storage_class_name: str | None = Field(None, min_length=1, max_length=253)
-    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = "ReadWriteOnce"
+class ModelCache(CamelModel):
+    size: Quantity = "50Gi"
+    # Immutable: the claim is created once (a transition rule, so only the API server can check it).
+    storage_class_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        json_schema_extra=cel("self == oldSelf", "spec.modelCache.storageClassName is immutable"),
+    )
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = Field(
+        "ReadWriteOnce",
+        description="ReadWriteMany lets engine replicas on several nodes share the cache.",
+        json_schema_extra=cel("self == oldSelf", "spec.modelCache.accessMode is immutable"),
+    )
 
     @field_validator("size", mode="before")
     @classmethod
@@ -133,22 +192,34 @@ class ModelCache(_Model):
         return quantity(value)
 
 
-class HFTokenSecret(_Model):
+class HFTokenSecret(CamelModel):
     name: str = Field(min_length=1)
     key: str = Field("token", min_length=1)
 
 
-class APIKeySecret(_Model):
+class APIKeySecret(CamelModel):
     name: str = Field(min_length=1)
     key: str = Field("key", min_length=1)
 
 
-class Autoscaling(_Model):
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(ge=1)
-    target_waiting_requests: float = Field(5, gt=0)
-    # The Pods metric the HPA reads (exposed by e.g. prometheus-adapter from vllm:num_requests_waiting).
-    metric_name: str = Field("vllm_num_requests_waiting", min_length=1)
+class Autoscaling(CamelModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "self.maxReplicas >= self.minReplicas",
+            "spec.autoscaling.maxReplicas must be >= spec.autoscaling.minReplicas",
+        )
+    )
+
+    min_replicas: Int32 = Field(1, ge=1)
+    max_replicas: Int32 = Field(ge=1)
+    target_waiting_requests: float = Field(
+        5, gt=0, description="Average waiting requests per engine replica the HPA aims for."
+    )
+    metric_name: str = Field(
+        "vllm_num_requests_waiting",
+        min_length=1,
+        description="The Pods metric (e.g. from prometheus-adapter over vllm:num_requests_waiting).",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -157,43 +228,84 @@ class Autoscaling(_Model):
         return self
 
 
-class LocalObjectReference(_Model):
+class LocalObjectReference(CamelModel):
     name: str = Field(min_length=1)
 
 
-class ModelDeploymentSpec(_Model):
-    model: str = Field(min_length=1, max_length=1024)
-    served_model_name: str | None = Field(None, min_length=1)
-    replicas: int = Field(1, ge=0)
-    image: str | None = Field(None, min_length=1)
+class Toleration(CamelModel):
+    """A Kubernetes core/v1 Toleration, passed through to the engine pods."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal", "Lt", "Gt"] | None = None
+    value: str | None = None
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: Int64 | None = None
+
+
+class EnvVar(CamelModel):
+    """A Kubernetes core/v1 EnvVar for the engine container; valueFrom is passed through as written."""
+
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class ModelDeploymentSpec(CamelModel):
+    model: str = Field(
+        min_length=1,
+        max_length=1024,
+        description=(
+            "A Hugging Face repo id, pvc://<claim>/<path> (weights on an existing claim, mounted"
+            ' read-only), a path inside the image, or "embedded" for the image\'s embedded default model'
+            " (SmolLM2-135M-Instruct; `pagedserve serve` with no model argument)."
+        ),
+        json_schema_extra=cel(
+            f"!self.startsWith('{PVC_SCHEME}') || self.matches('{PVC_MODEL_RE.pattern}')",
+            "spec.model: pvc:// models look like pvc://<claim>/<path>",
+        ),
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, description="The model name clients send in requests (default metadata.name)."
+    )
+    replicas: Int32 = Field(
+        1, ge=0, description="Engine replicas; the scale subresource (and so an HPA) writes here."
+    )
+    image: str | None = Field(
+        None,
+        min_length=1,
+        description="Engine image (default chosen by the operator, the `server` image target).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
-    resources: Resources = Field(default_factory=Resources)
-    engine: Engine = Field(default_factory=Engine)
-    router: Router = Field(default_factory=Router)
-    model_cache: ModelCache | None = None
-    hf_token_secret: HFTokenSecret | None = None
-    api_key_secret: APIKeySecret | None = None
-    autoscaling: Autoscaling | None = None
-    # Passed through to the engine pods as Kubernetes objects (the CRD schema checks their shape).
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=SERVER_DEFAULT_OBJECT)
+    engine: Engine = Field(default_factory=Engine, json_schema_extra=SERVER_DEFAULT_OBJECT)
+    router: Router = Field(default_factory=Router, json_schema_extra=SERVER_DEFAULT_OBJECT)
+    model_cache: ModelCache | None = Field(
+        None, description="A PersistentVolumeClaim mounted at HF_HOME in the engine pods."
+    )
+    hf_token_secret: HFTokenSecret | None = Field(
+        None, description="Secret key passed to engine and router as HF_TOKEN."
+    )
+    api_key_secret: APIKeySecret | None = Field(
+        None, description="Secret key passed to engine and router as PAGEDSERVE_API_KEY (the --api-key)."
+    )
+    autoscaling: Autoscaling | None = Field(
+        None, description="An HPA on this resource's scale subresource, on the waiting-requests metric."
+    )
+    # Passed through to the engine pods.
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    tolerations: list[Toleration] = Field(default_factory=list)
     pod_annotations: dict[str, str] = Field(default_factory=dict)
-    env: list[dict[str, Any]] = Field(default_factory=list)
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Extra environment variables for the engine container (Kubernetes EnvVar objects).",
+    )
 
     @field_validator("model")
     @classmethod
     def _model(cls, value: str) -> str:
         if value.startswith(PVC_SCHEME) and not PVC_MODEL_RE.match(value):
             raise ValueError("model: pvc:// models look like pvc://<claim>/<path>")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for item in value:
-            if not isinstance(item.get("name"), str) or not item["name"]:
-                raise ValueError("env: every entry needs a name")
         return value
 
     @property

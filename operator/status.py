@@ -12,11 +12,46 @@ phase:
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pagedserve.operator.resources import endpoint, label_selector
+from pagedserve.operator.spec import CamelModel, Int32, Int64
+from pydantic import Field
 
-PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+PHASES: tuple[str, ...] = get_args(Phase)
+
+
+# The models' docstrings and descriptions are the CRD's descriptions (operator/crd.py): write them for
+# `kubectl explain` readers.
+class Condition(CamelModel):
+    """One aspect of the ModelDeployment's state (metav1.Condition's shape)."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: datetime.datetime | None = None
+    observed_generation: Int64 | None = None
+
+
+class ModelDeploymentStatus(CamelModel):
+    """The observed state, written by the operator (compute_status)."""
+
+    phase: Phase | None = None
+    replicas: Int32 | None = None
+    ready_replicas: Int32 | None = None
+    router_ready_replicas: Int32 | None = None
+    endpoint: str | None = None
+    selector: str | None = Field(
+        None, description="The engine pods' label selector (the scale subresource's, for the HPA)."
+    )
+    observed_generation: Int64 | None = None
+    # One entry per type, merged by type on server-side apply.
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
 
 
 def _now() -> str:

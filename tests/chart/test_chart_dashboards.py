@@ -6,7 +6,8 @@ import json
 import re
 
 import pytest
-from chart_tools import CHART
+
+from pagedserve.testing.helm import CHART
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 # The selector variable of each dashboard besides the namespace.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 import tomllib
-from chart_tools import REPO
+
+from pagedserve.testing.helm import REPO
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 

@@ -7,7 +7,9 @@ import json
 
 import pytest
 import yaml
-from chart_tools import CHART, NAMESPACE, REPO, by_kind, find_tool, helm, lint, one, render, validator
+
+from pagedserve.testing.helm import CHART, NAMESPACE, REPO, by_kind, find_tool, helm, lint, one, render
+from pagedserve.testing.kube import manifest_errors
 
 pytestmark = pytest.mark.skipif(find_tool("helm") is None, reason="helm missing: run `make tools`")
 
@@ -88,16 +90,9 @@ def test_helm_lint_has_no_warnings(case: str) -> None:
 
 
 def test_every_object_validates_strictly(rendered) -> None:
+    """Strict, for the oldest and the newest Kubernetes minor we support (pagedserve/testing/kube.py)."""
     _, objects = rendered
-    v = validator()
-    crd_known = ("pagedserve.io/v1alpha1", "ModelDeployment") in v.gvk
-    problems = []
-    for obj in objects:
-        if obj["kind"] == "ModelDeployment" and not crd_known:
-            # Until crds/modeldeployment.yaml lands: basic shape only.
-            assert set(obj) == {"apiVersion", "kind", "metadata", "spec"} and isinstance(obj["spec"], dict)
-            continue
-        problems += v.errors(obj)
+    problems = [problem for obj in objects for problem in manifest_errors(obj)]
     assert not problems, "\n".join(problems)
 
 
@@ -321,27 +316,26 @@ def test_values_are_documented() -> None:
     assert not undocumented, "\n".join(undocumented)
 
 
-def _skip_unless(path: str) -> None:
-    if not (REPO / path).exists():
-        pytest.skip(f"{path} does not exist yet")
+def test_chart_crd_is_the_generated_crd() -> None:
+    """charts/pagedserve/crds/ holds what `make manifests` writes (crds/ holds the same file)."""
+    from pagedserve.operator.manifests import generated
 
-
-def test_chart_crd_is_a_copy_of_crds() -> None:
-    _skip_unless("crds/modeldeployment.yaml")
     copy = CHART / "crds" / "modeldeployment.yaml"
-    assert copy.read_text() == (REPO / "crds" / "modeldeployment.yaml").read_text(), (
-        "charts/pagedserve/crds/modeldeployment.yaml differs from crds/modeldeployment.yaml: copy it over"
+    assert copy.read_text() == generated()["charts/pagedserve/crds/modeldeployment.yaml"], (
+        "charts/pagedserve/crds/modeldeployment.yaml is out of date: run `make manifests`"
     )
     crd = one(render(), "CustomResourceDefinition")
     assert crd["spec"]["group"] == "pagedserve.io" and crd["spec"]["names"]["kind"] == "ModelDeployment"
 
 
-def test_chart_rbac_is_a_copy_of_the_operators() -> None:
-    _skip_unless("operator/rbac.yaml")
-    assert (CHART / "files" / "operator-rbac.yaml").read_text() == (
-        REPO / "operator" / "rbac.yaml"
-    ).read_text(), "charts/pagedserve/files/operator-rbac.yaml differs from operator/rbac.yaml: copy it over"
-    source_rules = yaml.safe_load((REPO / "operator" / "rbac.yaml").read_text())
+def test_chart_rbac_is_the_operators() -> None:
+    from pagedserve.operator.manifests import RBAC_FILE, generated
+    from pagedserve.operator.rbac import RULES
+
+    assert (REPO / RBAC_FILE).read_text() == generated()[RBAC_FILE], (
+        f"{RBAC_FILE} is out of date: run `make manifests`"
+    )
+    source_rules = RULES
     assert one(render(), "ClusterRole")["rules"] == source_rules
     # Several replicas add what kopf's peering needs, and nothing else.
     peering_rules = one(render(NON_DEFAULT), "ClusterRole")["rules"]

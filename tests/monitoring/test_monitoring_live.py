@@ -29,8 +29,7 @@ import httpx
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
-from chart_tools import CHART, find_tool, one, render
+from pagedserve.testing.helm import CHART, find_tool, one, render
 
 pytestmark = pytest.mark.slow
 

@@ -4,15 +4,13 @@ make each alert fire (and a neighbour that must stay quiet)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
-from chart_tools import find_tool, one, render
+from pagedserve.testing.helm import find_tool, one, render
 
 pytestmark = pytest.mark.skipif(
     find_tool("helm") is None or find_tool("promtool") is None,

@@ -1,19 +1,17 @@
-"""operator/rbac.yaml: the operator's ClusterRole rules (the chart's ClusterRole is built from it)."""
+"""operator/rbac.py: the operator's ClusterRole rules (the chart's ClusterRole is built from them)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import yaml
-from operator_schemas import swagger_errors
 from pagedserve.operator import render
 from pagedserve.operator.kube import api_prefix
+from pagedserve.operator.rbac import operator_rules
 from pagedserve.operator.resources import CHILD_KINDS
 
-RULES: list[dict[str, Any]] = yaml.safe_load(
-    (Path(__file__).parents[2] / "operator" / "rbac.yaml").read_text()
-)
+from pagedserve.testing.kube import manifest_errors
+
+RULES: list[dict[str, Any]] = operator_rules()
 
 
 def allowed(group: str, resource: str, verb: str) -> bool:
@@ -26,7 +24,7 @@ def allowed(group: str, resource: str, verb: str) -> bool:
 def test_rules_are_a_valid_cluster_role() -> None:
     assert isinstance(RULES, list) and RULES
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "x"}}
-    assert swagger_errors({**role, "rules": RULES}) == []
+    assert manifest_errors({**role, "rules": RULES}) == []
 
 
 def test_least_privilege() -> None:
