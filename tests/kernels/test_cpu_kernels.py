@@ -3,7 +3,7 @@
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import make_paged_case
+from pagedserve.kernels.testing import contexts, make_paged_case
 from pagedserve.server.layers.attention import select_backend
 
 
@@ -13,11 +13,6 @@ def op():
     # CI and development machines have g++ and ninja: a build failure here is a bug, not a skip.
     assert compiled is not None, "the CPU kernels did not build (see the warning above)"
     return compiled
-
-
-def contexts(block_size: int) -> list[int]:
-    """One token, exactly block-aligned, ragged, long and ragged, and a few tokens."""
-    return [1, 2 * block_size, 2 * block_size + 5, 9 * block_size + 3, 7]
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -32,7 +27,9 @@ def contexts(block_size: int) -> list[int]:
     ],
 )
 def test_matches_reference(op, num_heads, num_kv_heads, head_dim, block_size):
-    case = make_paged_case(contexts(block_size), num_heads, num_kv_heads, head_dim, block_size, seed=3)
+    case = make_paged_case(
+        contexts(block_size, long_blocks=9), num_heads, num_kv_heads, head_dim, block_size, seed=3
+    )
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, head_dim**-0.5)
     actual = cpu.paged_attention_decode(*args)
     expected = reference.paged_attention_decode(*args)
@@ -63,7 +60,7 @@ def test_bad_block_table_is_refused(op):
 
 
 def test_other_dtypes_use_the_reference(op):
-    case = make_paged_case(contexts(16), 9, 3, 64, 16, dtype=torch.bfloat16, seed=5)
+    case = make_paged_case(contexts(16, long_blocks=9), 9, 3, 64, 16, dtype=torch.bfloat16, seed=5)
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
     assert torch.equal(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
 
