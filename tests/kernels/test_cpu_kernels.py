@@ -1,10 +1,9 @@
-"""The CPU backend's C++ kernels against the torch references, and the backend choice."""
+"""The CPU backend's C++ kernels against the torch references."""
 
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.testing import contexts, make_paged_case
-from pagedserve.server.layers.attention import select_backend
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +108,3 @@ def test_apply_rotary_matches_reference(op, heads, kv_heads, head_dim):
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu.apply_rotary(q, k, torch.full((11,), 512), cache)
 
-
-def test_backend_choice(monkeypatch):
-    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
-    assert select_backend(torch.device("cpu")) is cpu
-    assert select_backend(torch.device("cpu"), "torch") is reference
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    assert select_backend(torch.device("cpu")) is reference
-    with pytest.raises(ValueError, match="'triton', 'cpu' or 'torch'"):
-        select_backend(torch.device("cpu"), "cuda")
