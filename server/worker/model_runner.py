@@ -51,11 +51,9 @@ class ModelRunner:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: the CPU decode reference multiplies padded positions by zero weights,
         # and 0 * NaN from uninitialised memory would poison the sum.
-        self.kv_caches = []
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-            self.kv_caches.append((layer.k_cache, layer.v_cache))
         self.graphs: DecodeGraphs | None = None
         if backend.supports_cuda_graphs and not enforce_eager:
             self.graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len, block_size, device)
