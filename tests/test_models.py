@@ -33,7 +33,7 @@ BLOCK_SIZE = 16
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def cpu_backend(name: str = "cpu") -> Backend:
+def backend_on_cpu(name: str = "cpu") -> Backend:
     """The backend the engine picks on a CPU (or ``name``), for float32."""
     return select_backend(torch.device("cpu"), torch.float32, name)
 
@@ -132,7 +132,7 @@ def random_prompts(vocab: int, lengths=(5, 23, 40, 17), seed: int = 0) -> list[l
 @pytest.fixture(scope="module")
 def default_pair(default_model_path):
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    ours, _ = load_model(default_model_path, "float32", "cpu", backend=cpu_backend())
+    ours, _ = load_model(default_model_path, "float32", "cpu", backend=backend_on_cpu())
     return hf, ours
 
 
@@ -238,7 +238,7 @@ def tiny_checkpoint(request, tmp_path_factory):
 
 def test_tiny_models_match_hf(tiny_checkpoint):
     _, hf, path = tiny_checkpoint
-    ours, config = load_model(path, "float32", "cpu", backend=cpu_backend())
+    ours, config = load_model(path, "float32", "cpu", backend=backend_on_cpu())
     expected_class = config.architectures[0]
     assert type(ours).__name__ == expected_class
     assert ours.tie_word_embeddings == bool(config.tie_word_embeddings)
@@ -270,22 +270,22 @@ def test_model_on_the_triton_kernels():
     config = CASES["qwen2-bias-gqa3-tied"].__class__.from_dict(CASES["qwen2-bias-gqa3-tied"].to_dict())
     config.num_hidden_layers = 1
     hf = random_hf_model(config)
-    ours = build_model(hf.config, torch.float32, "cpu", cpu_backend("triton"))
+    ours = build_model(hf.config, torch.float32, "cpu", backend_on_cpu("triton"))
     ours.load_weights(hf.state_dict().items())
     assert_matches_hf(hf, ours, random_prompts(256, lengths=(3, 9, 18, 7)), atol=1e-4)
 
 
 def test_tiny_bias_layout():
     """Qwen2 has q/k/v biases but no o_proj bias; Llama follows attention_bias; Mistral has none."""
-    qwen = build_model(_with_arch(CASES["qwen2-bias-gqa3-tied"]), torch.float32, "cpu", cpu_backend())
+    qwen = build_model(_with_arch(CASES["qwen2-bias-gqa3-tied"]), torch.float32, "cpu", backend_on_cpu())
     attn = qwen.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
     llama_config = _with_arch(CASES["llama-mha-untied-bias-headdim"])
-    llama = build_model(llama_config, torch.float32, "cpu", cpu_backend())
+    llama = build_model(llama_config, torch.float32, "cpu", backend_on_cpu())
     attn = llama.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is not None
     assert llama.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 96, 64)
-    mistral = build_model(_with_arch(CASES["mistral-gqa4"]), torch.float32, "cpu", cpu_backend())
+    mistral = build_model(_with_arch(CASES["mistral-gqa4"]), torch.float32, "cpu", backend_on_cpu())
     assert mistral.model.layers[0].self_attn.qkv_proj.bias is None
 
 
@@ -301,7 +301,7 @@ def test_unsupported_architecture_lists_supported():
     with pytest.raises(
         ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"
     ):
-        build_model(config, torch.float32, "cpu", cpu_backend())
+        build_model(config, torch.float32, "cpu", backend_on_cpu())
 
 
 def test_unsupported_rope_type_is_named():
@@ -309,4 +309,4 @@ def test_unsupported_rope_type_is_named():
         LlamaConfig(**TINY, num_attention_heads=4, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     )
     with pytest.raises(ValueError, match="dynamic"):
-        build_model(config, torch.float32, "cpu", cpu_backend())
+        build_model(config, torch.float32, "cpu", backend_on_cpu())
