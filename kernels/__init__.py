@@ -1,9 +1,10 @@
 """Triton kernels of the engine, each beside a pure-torch reference with the same signature.
 
 ``pagedserve.kernels.<name>`` is the Triton kernel, ``pagedserve.kernels.reference.<name>`` its reference
-(the engine's CPU backend). Importing this package needs no GPU: kernels compile at their first launch,
-and in a process started with ``TRITON_INTERPRET=1`` they run in Triton's CPU interpreter instead.
-Without Triton installed at all the names still import, and calling one raises ``ImportError``.
+(kernels/reference.py: the engine's ``torch`` backend; kernels/cpu.py is its ``cpu`` backend, and
+server/backend.py chooses among the three). Importing this package needs no GPU: kernels compile at their
+first launch, and in a process started with ``TRITON_INTERPRET=1`` they run in Triton's CPU interpreter
+instead. Without Triton installed at all the names still import, and calling one raises ``ImportError``.
 """
 
 from . import reference

@@ -9,7 +9,7 @@ the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are al
 The C++ is compiled on first use with torch's JIT extension builder (a C++ compiler and ninja are
 needed; the build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).
 Where it cannot be built, or for dtypes other than float32, the references run, so this module always
-works.
+works (the engine then picks the ``torch`` backend outright: server/backend.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Pure-torch references of every kernel, with the same signatures as the Triton versions.
 
-They are the CPU backend of the engine (so they must be vectorised, not merely correct) and the
-oracle the Triton kernels are tested against. Shapes follow DESIGN.md's kernel contract:
-``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+They are the engine's ``torch`` backend and what its ``cpu`` backend (kernels/cpu.py) runs for ops
+or dtypes its C++ does not cover (so they must be vectorised, not merely correct), and the oracle the
+Triton and C++ kernels are tested against. The kernel contract, shared by all three: ``k_cache`` and
+``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; the other shapes are in each
+function's docstring.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ class PagedCase:
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
 
 
+def contexts(block_size: int, long_blocks: int = 4) -> list[int]:
+    """Context lengths for ``make_paged_case``: one token, exactly block-aligned, ragged, long and ragged
+    (``long_blocks`` blocks and a bit), and a few tokens."""
+    return [1, 2 * block_size, 2 * block_size + 5, long_blocks * block_size + 3, 7]
+
 
 def make_paged_case(
     context_lens: list[int],

@@ -33,6 +33,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # "triton" | "cpu" | "torch"; None: $PAGEDSERVE_ATTENTION_BACKEND, else by device (server/backend.py).
+    # The engine sets it to the backend it runs.
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:

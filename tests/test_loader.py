@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pagedserve.server.backend import select_backend
 from pagedserve.server.loader import default_model as dm
 from pagedserve.server.loader import load_model, resolve_dtype, resolve_model
 from pagedserve.server.loader.weights import iterate_weights
@@ -17,6 +18,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Loading runs no forward pass: the pure-torch backend, which needs no compiled extension, will do.
+TORCH = select_backend(torch.device("cpu"), torch.float32, "torch")
 
 # --- the default model ---------------------------------------------------------------------------
 
@@ -177,7 +180,7 @@ def test_load_sharded_checkpoint(tmp_path, tie):
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    ours, config = load_model(tmp_path, "float32", "cpu")
+    ours, config = load_model(tmp_path, "float32", "cpu", backend=TORCH)
     assert config.tie_word_embeddings == tie and (ours.lm_head is None) == tie
     assert not ours.training
     _assert_same_weights(ours, hf)
@@ -185,18 +188,20 @@ def test_load_sharded_checkpoint(tmp_path, tie):
 
 def test_load_weights_without_model_prefix_and_missing_weights(tmp_path):
     hf = _tiny_hf(tie=False)
-    ours = build_model(hf.config, torch.float32, "cpu")
+    ours = build_model(hf.config, torch.float32, "cpu", TORCH)
     state = hf.state_dict()
     ours.load_weights((name.removeprefix("model."), tensor) for name, tensor in state.items())
     _assert_same_weights(ours, hf)
     incomplete = {k: v for k, v in state.items() if "layers.1.self_attn.v_proj" not in k}
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.v_proj\.weight"):
-        build_model(hf.config, torch.float32, "cpu").load_weights(incomplete.items())
+        build_model(hf.config, torch.float32, "cpu", TORCH).load_weights(incomplete.items())
     with pytest.raises(ValueError, match="no_such_tensor"):
-        build_model(hf.config, torch.float32, "cpu").load_weights([("model.no_such_tensor", torch.zeros(1))])
+        build_model(hf.config, torch.float32, "cpu", TORCH).load_weights(
+            [("model.no_such_tensor", torch.zeros(1))]
+        )
     wrong = dict(state, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"norm\.weight"):
-        build_model(hf.config, torch.float32, "cpu").load_weights(wrong.items())
+        build_model(hf.config, torch.float32, "cpu", TORCH).load_weights(wrong.items())
 
 
 def test_iterate_and_dummy_weights(tmp_path):
@@ -205,12 +210,12 @@ def test_iterate_and_dummy_weights(tmp_path):
     assert {name for name, _ in iterate_weights(tmp_path)} == set(hf.state_dict()) - {"lm_head.weight"}
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"safetensors"):
-        load_model(tmp_path, "float32", "cpu")
-    dummy, _ = load_model(tmp_path, "bfloat16", "cpu", load_format="dummy")
+        load_model(tmp_path, "float32", "cpu", backend=TORCH)
+    dummy, _ = load_model(tmp_path, "bfloat16", "cpu", backend=TORCH, load_format="dummy")
     weight = dummy.model.layers[0].self_attn.qkv_proj.weight
     assert weight.dtype == torch.bfloat16 and torch.isfinite(weight).all() and weight.std() > 0
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        load_model(tmp_path / "nowhere", "float32", "cpu")
+        load_model(tmp_path / "nowhere", "float32", "cpu", backend=TORCH)
 
 
 def test_resolve_dtype():

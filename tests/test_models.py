@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagedserve.kernels import reference
+from pagedserve.server.backend import Backend, select_backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.loader import load_model
 from pagedserve.server.models.registry import build_model
@@ -33,10 +33,15 @@ BLOCK_SIZE = 16
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def backend_on_cpu(name: str = "cpu") -> Backend:
+    """The backend the engine picks on a CPU (or ``name``), for float32."""
+    return select_backend(torch.device("cpu"), torch.float32, name)
+
+
 class PagedSim:
     """A hand-built model runner: paged caches on shuffled blocks, decodes ordered first."""
 
-    def __init__(self, model, num_seqs: int, max_len: int, seed: int = 0, kernels=reference) -> None:
+    def __init__(self, model, num_seqs: int, max_len: int, seed: int = 0) -> None:
         self.model = model
         blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
         num_blocks = num_seqs * blocks_per_seq + 3
@@ -47,7 +52,6 @@ class PagedSim:
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=model.dtype)
             layer.v_cache = torch.zeros(shape, dtype=model.dtype)
-            layer.kernels = kernels
         self.computed = [0] * num_seqs
 
     @torch.inference_mode()
@@ -83,13 +87,13 @@ class PagedSim:
         return dict(zip(decodes + prefills, logits.split(q_lens), strict=True))
 
 
-def run_schedule(model, prompts: list[list[int]], decode_steps: int = 3, kernels=reference):
+def run_schedule(model, prompts: list[list[int]], decode_steps: int = 3):
     """Prompts 0-1 whole and prompt 2 in two chunks, prompt 3 joining late; then greedy decodes.
 
     Returns every sequence's tokens and the logits we produced for each of its positions.
     """
     assert len(prompts) == 4
-    sim = PagedSim(model, len(prompts), max(map(len, prompts)) + decode_steps + 2, kernels=kernels)
+    sim = PagedSim(model, len(prompts), max(map(len, prompts)) + decode_steps + 2)
     tokens = [list(p) for p in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
 
@@ -110,8 +114,8 @@ def run_schedule(model, prompts: list[list[int]], decode_steps: int = 3, kernels
 
 
 @torch.inference_mode()
-def assert_matches_hf(hf_model, model, prompts, atol: float, kernels=reference) -> None:
-    tokens, ours = run_schedule(model, prompts, kernels=kernels)
+def assert_matches_hf(hf_model, model, prompts, atol: float) -> None:
+    tokens, ours = run_schedule(model, prompts)
     for seq, seq_tokens in enumerate(tokens):
         expected = hf_model(torch.tensor([seq_tokens])).logits[0].float()
         torch.testing.assert_close(ours[seq], expected, atol=atol, rtol=1e-5)
@@ -128,7 +132,7 @@ def random_prompts(vocab: int, lengths=(5, 23, 40, 17), seed: int = 0) -> list[l
 @pytest.fixture(scope="module")
 def default_pair(default_model_path):
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    ours, _ = load_model(default_model_path, "float32", "cpu")
+    ours, _ = load_model(default_model_path, "float32", "cpu", backend=backend_on_cpu())
     return hf, ours
 
 
@@ -234,7 +238,7 @@ def tiny_checkpoint(request, tmp_path_factory):
 
 def test_tiny_models_match_hf(tiny_checkpoint):
     _, hf, path = tiny_checkpoint
-    ours, config = load_model(path, "float32", "cpu")
+    ours, config = load_model(path, "float32", "cpu", backend=backend_on_cpu())
     expected_class = config.architectures[0]
     assert type(ours).__name__ == expected_class
     assert ours.tie_word_embeddings == bool(config.tie_word_embeddings)
@@ -263,26 +267,25 @@ def test_model_on_the_triton_kernels():
         )
         assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-10000:] + result.stderr
         return
-    import pagedserve.kernels as triton_kernels
-
     config = CASES["qwen2-bias-gqa3-tied"].__class__.from_dict(CASES["qwen2-bias-gqa3-tied"].to_dict())
     config.num_hidden_layers = 1
     hf = random_hf_model(config)
-    ours = build_model(hf.config, torch.float32, "cpu", kernels=triton_kernels)
+    ours = build_model(hf.config, torch.float32, "cpu", backend_on_cpu("triton"))
     ours.load_weights(hf.state_dict().items())
-    assert_matches_hf(hf, ours, random_prompts(256, lengths=(3, 9, 18, 7)), atol=1e-4, kernels=triton_kernels)
+    assert_matches_hf(hf, ours, random_prompts(256, lengths=(3, 9, 18, 7)), atol=1e-4)
 
 
 def test_tiny_bias_layout():
     """Qwen2 has q/k/v biases but no o_proj bias; Llama follows attention_bias; Mistral has none."""
-    qwen = build_model(_with_arch(CASES["qwen2-bias-gqa3-tied"]), torch.float32, "cpu")
+    qwen = build_model(_with_arch(CASES["qwen2-bias-gqa3-tied"]), torch.float32, "cpu", backend_on_cpu())
     attn = qwen.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
-    llama = build_model(_with_arch(CASES["llama-mha-untied-bias-headdim"]), torch.float32, "cpu")
+    llama_config = _with_arch(CASES["llama-mha-untied-bias-headdim"])
+    llama = build_model(llama_config, torch.float32, "cpu", backend_on_cpu())
     attn = llama.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is not None
     assert llama.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 96, 64)
-    mistral = build_model(_with_arch(CASES["mistral-gqa4"]), torch.float32, "cpu")
+    mistral = build_model(_with_arch(CASES["mistral-gqa4"]), torch.float32, "cpu", backend_on_cpu())
     assert mistral.model.layers[0].self_attn.qkv_proj.bias is None
 
 
@@ -298,7 +301,7 @@ def test_unsupported_architecture_lists_supported():
     with pytest.raises(
         ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"
     ):
-        build_model(config, torch.float32, "cpu")
+        build_model(config, torch.float32, "cpu", backend_on_cpu())
 
 
 def test_unsupported_rope_type_is_named():
@@ -306,4 +309,4 @@ def test_unsupported_rope_type_is_named():
         LlamaConfig(**TINY, num_attention_heads=4, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     )
     with pytest.raises(ValueError, match="dynamic"):
-        build_model(config, torch.float32, "cpu")
+        build_model(config, torch.float32, "cpu", backend_on_cpu())

@@ -4,7 +4,7 @@
 // run five to ten ATen ops apiece (~100 us per call, ~14 ms per decode step of the embedded model);
 // one pass per row here.
 //
-// Registered as torch.ops.pagedserve.*; pagedserve/kernels/cpu.py builds them and keeps the references
+// Registered as torch.ops.pagedserve.*; kernels/cpu.py builds them and keeps the references
 // for other dtypes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -5,7 +5,7 @@
 // each sequence walks its block table, so the cache is read once, block by block, and every query head
 // uses each key and value row while it is in L1.
 //
-// Registered as torch.ops.pagedserve.paged_attention_decode; pagedserve/kernels/cpu.py builds it.
+// Registered as torch.ops.pagedserve.paged_attention_decode; kernels/cpu.py builds it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

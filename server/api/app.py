@@ -109,7 +109,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        return VersionResponse(version=__version__)
+        # getattr: the test fakes' configs (tests/server/api_fakes.py) have no kernel backend.
+        return VersionResponse(version=__version__, backend=getattr(engine.config, "attention_backend", None))
 
     @app.get(
         "/metrics",

@@ -308,3 +308,4 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class VersionResponse(OpenAIBaseModel):
     version: str
+    backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"

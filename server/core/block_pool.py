@@ -30,10 +30,6 @@ class BlockPool:
         """Blocks nobody references: truly empty ones and evictable cached ones."""
         return len(self.free_queue)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.cached)
-
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 

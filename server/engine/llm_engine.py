@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagedserve.server.backend import select_backend
 from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.core.scheduler import Scheduler
@@ -75,7 +76,10 @@ class LLMEngine:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
         self.model_path = Path(resolve_model(config.model))
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device)
+        self.backend = select_backend(self.device, self.dtype, config.attention_backend)
+        config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
+                                                backend=self.backend)
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or self.model_path))
         self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -91,15 +95,15 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                  hash_seed=f"{self.model_path}:{self.dtype}")
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, num_kv_heads, head_dim,
-                                  self.dtype, self.device, max_num_seqs=config.max_num_seqs,
+        self.runner = ModelRunner(self.model, self.backend, self.num_blocks, config.block_size, num_kv_heads,
+                                  head_dim, self.dtype, self.device, max_num_seqs=config.max_num_seqs,
                                   max_model_len=config.max_model_len or 0, enforce_eager=config.enforce_eager)
         self.parents: dict[str, ParentRequest] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        logger.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-                    self.model_path, self.device, self.dtype, self.num_blocks, config.block_size,
-                    config.max_model_len)
+        logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d x %d tokens, "
+                    "max_model_len=%d", self.model_path, self.device, self.dtype, self.backend.name,
+                    self.num_blocks, config.block_size, config.max_model_len)
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -120,11 +124,9 @@ class LLMEngine:
 
     def _gpu_kv_budget(self) -> int:
         """What is left of ``gpu_memory_utilization`` after the weights and a profiled largest step."""
-        from pagedserve.server.layers.attention import select_backend
         from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
 
-        peak = profile_activation_peak(self.model, select_backend(self.device), self.config.batched_tokens,
-                                       self.config.max_num_seqs)
+        peak = profile_activation_peak(self.model, self.config.batched_tokens, self.config.max_num_seqs)
         return kv_cache_budget(self.device, self.config.gpu_memory_utilization, peak)
 
     def _resolve_max_model_len(self) -> None:

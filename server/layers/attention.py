@@ -1,21 +1,17 @@
-"""Paged attention over one flattened token batch, with the kernel backend chosen per device.
+"""Paged attention over one flattened token batch.
 
-The model runner orders each step's batch decodes first (one token per sequence), then prefill chunks,
-and describes it once in an ``AttentionMetadata`` that every layer shares.
+The model runner (server/worker/model_runner.py) orders each step's batch decodes first (one token per
+sequence), then prefill chunks, and describes it once in an ``AttentionMetadata`` that every layer
+shares. The kernels come from the engine's backend (server/backend.py), bound when the model is built.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import nn
-
-# "triton" | "cpu" | "torch"; default: triton on CUDA, cpu (the references plus the C++ decode attention)
-# elsewhere. "torch" is the pure references.
-BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
 
 
 @dataclass
@@ -33,45 +29,25 @@ class AttentionMetadata:
         return self.prefill_context_lens.shape[0]
 
 
-def select_backend(device: torch.device, override: str | None = None) -> ModuleType:
-    """The kernel module: Triton on CUDA, the CPU backend elsewhere, unless overridden."""
-    choice = (override or os.environ.get(BACKEND_ENV) or "").lower()
-    if not choice:
-        choice = "triton" if device.type == "cuda" else "cpu"
-    if choice == "cpu":
-        from pagedserve.kernels import cpu
-
-        cpu.load_extension()  # compile now, not inside the first request
-        return cpu
-    if choice == "torch":
-        from pagedserve.kernels import reference
-
-        return reference
-    if choice == "triton":
-        import pagedserve.kernels as triton_kernels
-
-        return triton_kernels
-    raise ValueError(f"{BACKEND_ENV} must be 'triton', 'cpu' or 'torch', got {choice!r}")
-
-
 class Attention(nn.Module):
     """Stores this layer's new K/V into its paged cache, then attends from the cache."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: ModuleType
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.kernels = kernels
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.kernels: ModuleType | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q ``[num_tokens, num_heads * head_dim]``, k/v ``[num_tokens, num_kv_heads * head_dim]``."""
         kernels = self.kernels
-        assert kernels is not None, "the model runner binds the KV cache and kernels before forward"
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -2,7 +2,8 @@
 
 - ``default_model()``: the embedded SmolLM2-135M-Instruct, converted once into the user cache.
 - ``resolve_model(model)``: None, a folder, a ``.gguf`` file or a Hugging Face hub id -> a local folder.
-- ``load_model(path, dtype, device)``: our torch model with the folder's safetensors loaded, and its config.
+- ``load_model(path, dtype, device, backend=...)``: our torch model with the folder's safetensors loaded,
+  and its config.
 
 Exports are lazy: resolving a model (or finding the default model's tokenizer) never imports torch.
 """

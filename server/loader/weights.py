@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedserve.server.backend import Backend
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -44,10 +47,11 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     *,
+    backend: Backend,
     load_format: str = "auto",
-    kernels: Any = None,
 ) -> tuple[nn.Module, Any]:
-    """Build the model for the folder's config on ``device`` and load its weights: ``(model, hf_config)``.
+    """Build the model for the folder's config on ``device``, running ``backend``'s kernels
+    (server/backend.py), and load its weights: ``(model, hf_config)``.
 
     ``load_format="dummy"`` skips the checkpoint and fills the weights with small random values (for
     benchmarks of large shapes from a config.json alone). The model is in eval mode; call it under
@@ -57,7 +61,7 @@ def load_model(
 
     device = torch.device(device)
     hf_config = load_config(path)
-    model = build_model(hf_config, resolve_dtype(dtype, device), device, kernels)
+    model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif load_format == "auto":

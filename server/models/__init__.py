@@ -1,1 +1,1 @@
-"""Model implementations: ``build_model(hf_config, dtype, device)`` picks one by architecture."""
+"""Model implementations: ``build_model(hf_config, dtype, device, backend)`` picks one by architecture."""

@@ -7,13 +7,14 @@ The model runner calls, per engine step::
 
 where ``input_ids``/``positions`` are ``LongTensor[T]`` (decodes first, then prefill chunks, as
 ``AttentionMetadata`` describes) and every ``Attention`` in ``model.attention_layers()`` has had its
-``k_cache``, ``v_cache`` and ``kernels`` bound by the runner. ``forward`` never synchronises with the
+``k_cache`` and ``v_cache`` bound by the runner. ``forward`` never synchronises with the
 device (no ``.item()``/``.tolist()``), so it can be captured in a CUDA graph as far as the attention
 kernels allow.
 
 Weights: q/k/v are merged into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` at load time, so a
-decoder layer is four matmuls. Elementwise work (RMSNorm, residual add, rotary, SiLU-and-mul) goes
-through the kernel module of ``select_backend(device)``: Triton on CUDA, the torch reference on CPU.
+decoder layer is four matmuls. Attention and the elementwise work (RMSNorm, residual add, rotary,
+SiLU-and-mul) go through ``backend.kernels``, the engine's choice (server/backend.py), bound into every
+layer here, once.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+from pagedserve.server.backend import Backend
 from pagedserve.server.layers.activation import get_act_and_mul
-from pagedserve.server.layers.attention import Attention, AttentionMetadata, select_backend
+from pagedserve.server.layers.attention import Attention, AttentionMetadata
 from pagedserve.server.layers.linear import Linear, VocabEmbedding, linear
 from pagedserve.server.layers.norm import RMSNorm
 from pagedserve.server.layers.rotary import RotaryEmbedding, rope_parameters
@@ -49,6 +51,7 @@ class LlamaAttention(nn.Module):
         head_dim: int,
         qkv_bias: bool,
         o_bias: bool,
+        kernels: ModuleType,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -59,7 +62,7 @@ class LlamaAttention(nn.Module):
             hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype, device
         )
         self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype, device)
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, kernels)
 
     def forward(
         self,
@@ -102,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(
             spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            spec.qkv_bias, spec.o_bias, dtype, device,
+            spec.qkv_bias, spec.o_bias, kernels, dtype, device,
         )  # fmt: skip
         self.mlp = LlamaMLP(
             spec.hidden_size, spec.intermediate_size, spec.hidden_act, spec.mlp_bias, kernels, dtype, device
@@ -185,8 +188,8 @@ class LlamaForCausalLM(nn.Module):
         dtype: parameter and activation dtype. The rotary cache stays fp32; logits are returned fp32.
         device: where parameters live. Parameters are allocated uninitialised: fill them with
             ``load_weights`` (or ``pagedserve.server.loader.load_model``, which does).
-        kernels: the elementwise kernel module; default ``select_backend(device)``. The attention
-            layers' kernels are bound separately by the model runner.
+        backend: the engine's kernel backend (``pagedserve.server.backend.select_backend``); its
+            kernels run every attention and elementwise op of the model.
 
     Attributes useful to the model runner: ``num_layers``, ``num_heads``, ``num_kv_heads``,
     ``head_dim``, ``vocab_size``, ``max_position`` (the rotary cache's length: positions must be
@@ -203,20 +206,20 @@ class LlamaForCausalLM(nn.Module):
         hf_config: Any,
         dtype: torch.dtype,
         device: torch.device | str,
-        kernels: ModuleType | None = None,
+        backend: Backend,
     ) -> None:
         super().__init__()
         device = torch.device(device)
         spec = _Spec(hf_config, self.qkv_bias, self.o_bias)
-        kernels = kernels or select_backend(device)
         self.config = hf_config
+        self.backend = backend
         self.dtype, self.device = dtype, device
         self.num_layers, self.num_heads = spec.num_layers, spec.num_heads
         self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
         self.vocab_size, self.max_position = spec.vocab_size, spec.max_position
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.sliding_window: int | None = self._sliding_window(hf_config)
-        self.model = LlamaModel(spec, kernels, dtype, device)
+        self.model = LlamaModel(spec, backend.kernels, dtype, device)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
@@ -243,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, weight).float()
 
     def attention_layers(self) -> list[Attention]:
-        """The ``Attention`` module of every layer, in order, for the runner to bind caches and kernels."""
+        """The ``Attention`` module of every layer, in order, for the runner to bind KV caches to."""
         return [layer.self_attn.attn for layer in self.model.layers]
 
     @torch.no_grad()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
+from pagedserve.server.backend import Backend
 from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from torch import nn
 
@@ -36,7 +36,8 @@ def build_model(
     hf_config: Any,
     dtype: torch.dtype,
     device: torch.device | str,
-    kernels: ModuleType | None = None,
+    backend: Backend,
 ) -> nn.Module:
-    """An uninitialised model for ``hf_config`` on ``device`` (fill it with ``model.load_weights``)."""
-    return get_model_class(hf_config)(hf_config, dtype, device, kernels)
+    """An uninitialised model for ``hf_config`` on ``device`` running ``backend``'s kernels (fill it with
+    ``model.load_weights``)."""
+    return get_model_class(hf_config)(hf_config, dtype, device, backend)

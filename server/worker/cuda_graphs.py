@@ -1,13 +1,13 @@
 """CUDA graphs for decode-only steps, and the profiling forward that sizes the KV cache on a GPU.
 
-Not wired in yet; how the model runner would use it:
+How the engine uses them (server/engine/llm_engine.py, server/worker/model_runner.py):
 
-* At start-up, before allocating the KV cache: ``peak = profile_activation_peak(model, kernels,
+* At start-up, before allocating the KV cache: ``peak = profile_activation_peak(model,
   max_num_batched_tokens, max_num_seqs)``, then ``kv_cache_budget(device, gpu_memory_utilization,
   peak)`` bytes of KV cache (num_blocks = budget // bytes_per_block).
-* After the cache is bound, unless ``enforce_eager`` or the attention backend is the torch reference
-  (its decode synchronises with the host, which a graph cannot hold):
-  ``graphs = DecodeGraphs(model, max_num_seqs, max_model_len, block_size, device); graphs.capture()``.
+* After the cache is bound, if the backend supports CUDA graphs (server/backend.py: Triton on CUDA) and
+  ``enforce_eager`` is off: ``graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len,
+  block_size, device); graphs.capture()``.
 * Each step whose batch is decodes only and fits (``graphs.fits(meta)``): ``hidden =
   graphs.run(input_ids, positions, meta)`` instead of ``model(input_ids, positions, meta)``; logits
   and sampling stay outside the graph.
@@ -20,9 +20,8 @@ sizes its launch from tensor shapes only, so one capture serves every context le
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
+from pagedserve.server.backend import Backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from torch import nn
 
@@ -33,8 +32,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, backend: Backend, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device) -> None:
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"the {backend.name} backend on {device} cannot run in CUDA graphs")
         self.model = model
         self.buckets = batch_buckets(max_num_seqs)
         self.width = -(-max_model_len // block_size)
@@ -98,19 +99,19 @@ class DecodeGraphs:
 
 
 @torch.inference_mode()
-def profile_activation_peak(model: nn.Module, kernels: ModuleType, num_tokens: int, num_seqs: int) -> int:
+def profile_activation_peak(model: nn.Module, num_tokens: int, num_seqs: int) -> int:
     """Bytes the largest step allocates beyond what is already allocated (weights): one prefill of
-    ``num_tokens`` tokens plus logits for ``num_seqs`` rows, run against a one-block placeholder cache
-    (every block-table entry points at it; slot -1 writes nothing; the values are irrelevant)."""
+    ``num_tokens`` tokens plus logits for ``num_seqs`` rows, on the model's own kernels, run against a
+    one-block placeholder cache (every block-table entry points at it; slot -1 writes nothing; the
+    values are irrelevant)."""
     layers = model.attention_layers()
-    saved = [(layer.k_cache, layer.v_cache, layer.kernels) for layer in layers]
+    saved = [(layer.k_cache, layer.v_cache) for layer in layers]
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     placeholder = torch.zeros(1, 16, layers[0].num_kv_heads, layers[0].head_dim, dtype=dtype, device=device)
     try:
         for layer in layers:
             layer.k_cache = layer.v_cache = placeholder
-            layer.kernels = kernels
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -131,8 +132,8 @@ def profile_activation_peak(model: nn.Module, kernels: ModuleType, num_tokens: i
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - baseline
     finally:
-        for layer, (k, v, kern) in zip(layers, saved, strict=True):
-            layer.k_cache, layer.v_cache, layer.kernels = k, v, kern
+        for layer, (k, v) in zip(layers, saved, strict=True):
+            layer.k_cache, layer.v_cache = k, v
         torch.cuda.empty_cache()
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pagedserve.server.backend import Backend
 from pagedserve.server.core.scheduler import ScheduledRequest
-from pagedserve.server.layers.attention import AttentionMetadata, select_backend
+from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.request import Request
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
 from pagedserve.server.worker.sampler import SampledToken, sample
@@ -31,6 +32,7 @@ class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
+        backend: Backend,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
@@ -41,24 +43,20 @@ class ModelRunner:
         max_model_len: int = 2048,
         enforce_eager: bool = False,
     ) -> None:
+        if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
+            raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
         self.model = model
         self.block_size = block_size
         self.device = device
-        kernels = select_backend(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: the CPU decode reference multiplies padded positions by zero weights,
         # and 0 * NaN from uninitialised memory would poison the sum.
-        self.kv_caches = []
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.kernels = kernels
-            self.kv_caches.append((layer.k_cache, layer.v_cache))
         self.graphs: DecodeGraphs | None = None
-        # Only the Triton kernels keep context lengths on the device; the references read them on the
-        # host, which a graph cannot hold.
-        if device.type == "cuda" and not enforce_eager and kernels.__name__ == "pagedserve.kernels":
-            self.graphs = DecodeGraphs(model, max_num_seqs, max_model_len, block_size, device)
+        if backend.supports_cuda_graphs and not enforce_eager:
+            self.graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len, block_size, device)
             self.graphs.capture()
 
     @staticmethod

@@ -4,7 +4,8 @@ batches that fill a bucket and batches padded into one; the profiling forward an
 import pytest
 import torch
 from gpu_helpers import GPU, MODELS, random_model
-from pagedserve.server.layers.attention import AttentionMetadata, select_backend
+from pagedserve.server.backend import select_backend
+from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.loader import load_model
 from pagedserve.server.worker.cuda_graphs import (
     DecodeGraphs,
@@ -30,12 +31,12 @@ def test_batch_buckets():
 def engine_model():
     shape, overrides = MODELS["smollm2-shape"]
     path = random_model.cached_random_model(shape, **overrides)
-    model, _ = load_model(path, torch.bfloat16, CUDA, kernels=select_backend(CUDA, "triton"))
+    backend = select_backend(CUDA, torch.bfloat16, "triton")
+    model, _ = load_model(path, torch.bfloat16, CUDA, backend=backend)
     # The runner binds a KV cache to every layer; random contents stand for earlier tokens.
-    ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.bfloat16, CUDA,
-                enforce_eager=True)  # the test captures its own graphs
+    ModelRunner(model, backend, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.bfloat16,
+                CUDA, enforce_eager=True)  # the test captures its own graphs
     for layer in model.attention_layers():
-        layer.kernels = select_backend(CUDA, "triton")
         layer.k_cache.normal_()
         layer.v_cache.normal_()
     return model
@@ -61,7 +62,7 @@ def decode_batch(batch: int, seed: int, vocab: int):
 
 def test_graph_replay_equals_eager(engine_model):
     model = engine_model
-    graphs = DecodeGraphs(model, MAX_BATCH, MAX_MODEL_LEN, BLOCK_SIZE, CUDA)
+    graphs = DecodeGraphs(model, model.backend, MAX_BATCH, MAX_MODEL_LEN, BLOCK_SIZE, CUDA)
     graphs.capture()
     with torch.inference_mode():
         for batch, seed in ((4, 0), (3, 1), (16, 2), (11, 3), (1, 4)):
@@ -79,7 +80,7 @@ def test_graph_replay_equals_eager(engine_model):
 
 def test_profiling_forward_and_kv_budget(engine_model):
     model = engine_model
-    peak = profile_activation_peak(model, select_backend(CUDA, "triton"), 4096, 64)
+    peak = profile_activation_peak(model, 4096, 64)
     hidden = model.config.hidden_size
     assert 4096 * hidden * 2 < peak < 4096 * hidden * 2 * 200
     budget = kv_cache_budget(CUDA, 0.9, peak)

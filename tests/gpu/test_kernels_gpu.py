@@ -2,7 +2,8 @@
 
 bf16 is checked here (the CPU interpreter computes bf16 ``tl.dot`` wrongly), against the reference run
 in fp32 on the same bf16 inputs; fp32 (``ieee`` dots) and fp16 too. Also: the decode kernel captured in
-a CUDA graph and replayed on new contexts, as the model runner's decode graphs will.
+a CUDA graph and replayed on new contexts, as the model runner's decode graphs
+(server/worker/cuda_graphs.py) are.
 """
 
 import importlib

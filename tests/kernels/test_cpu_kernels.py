@@ -1,10 +1,9 @@
-"""The CPU backend's C++ kernels against the torch references, and the backend choice."""
+"""The CPU backend's C++ kernels against the torch references."""
 
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import make_paged_case
-from pagedserve.server.layers.attention import select_backend
+from pagedserve.kernels.testing import contexts, make_paged_case
 
 
 @pytest.fixture(scope="module")
@@ -13,11 +12,6 @@ def op():
     # CI and development machines have g++ and ninja: a build failure here is a bug, not a skip.
     assert compiled is not None, "the CPU kernels did not build (see the warning above)"
     return compiled
-
-
-def contexts(block_size: int) -> list[int]:
-    """One token, exactly block-aligned, ragged, long and ragged, and a few tokens."""
-    return [1, 2 * block_size, 2 * block_size + 5, 9 * block_size + 3, 7]
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -32,7 +26,9 @@ def contexts(block_size: int) -> list[int]:
     ],
 )
 def test_matches_reference(op, num_heads, num_kv_heads, head_dim, block_size):
-    case = make_paged_case(contexts(block_size), num_heads, num_kv_heads, head_dim, block_size, seed=3)
+    case = make_paged_case(
+        contexts(block_size, long_blocks=9), num_heads, num_kv_heads, head_dim, block_size, seed=3
+    )
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, head_dim**-0.5)
     actual = cpu.paged_attention_decode(*args)
     expected = reference.paged_attention_decode(*args)
@@ -63,7 +59,7 @@ def test_bad_block_table_is_refused(op):
 
 
 def test_other_dtypes_use_the_reference(op):
-    case = make_paged_case(contexts(16), 9, 3, 64, 16, dtype=torch.bfloat16, seed=5)
+    case = make_paged_case(contexts(16, long_blocks=9), 9, 3, 64, 16, dtype=torch.bfloat16, seed=5)
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
     assert torch.equal(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
 
@@ -112,12 +108,3 @@ def test_apply_rotary_matches_reference(op, heads, kv_heads, head_dim):
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu.apply_rotary(q, k, torch.full((11,), 512), cache)
 
-
-def test_backend_choice(monkeypatch):
-    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
-    assert select_backend(torch.device("cpu")) is cpu
-    assert select_backend(torch.device("cpu"), "torch") is reference
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    assert select_backend(torch.device("cpu")) is reference
-    with pytest.raises(ValueError, match="'triton', 'cpu' or 'torch'"):
-        select_backend(torch.device("cpu"), "cuda")

@@ -13,7 +13,7 @@ import pagedserve.kernels as triton_kernels
 import pytest
 import torch
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import make_paged_case
+from pagedserve.kernels.testing import contexts, make_paged_case
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
@@ -27,11 +27,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     error = (actual.float() - expected.float()).abs().max().item() if actual.numel() else 0.0
     assert error <= TOLERANCE[expected.dtype], f"max abs error {error}"
-
-
-def contexts(block_size: int) -> list[int]:
-    """One token, exactly block-aligned, ragged, and a longer ragged one."""
-    return [1, 2 * block_size, 2 * block_size + 5, 4 * block_size + 3]
 
 
 ATTENTION_SHAPES = [
@@ -64,8 +59,8 @@ def test_paged_attention_prefill(group, head_dim, block_size, dtype, monkeypatch
     monkeypatch.setattr(prefill_module, "BLOCK_N", 32)
     context_lens = contexts(block_size)
     # A whole one-token prompt, a whole aligned prompt, a chunk after a cached prefix (prefix hit or
-    # earlier chunk) and a single query at the end of a long context.
-    q_lens = [1, 2 * block_size, 7, 1]
+    # earlier chunk), a single query at the end of a long context and a whole short prompt.
+    q_lens = [1, 2 * block_size, 7, 1, 7]
     case = make_paged_case(
         context_lens, KV_HEADS[group] * group, KV_HEADS[group], head_dim, block_size, dtype, q_lens=q_lens
     )

@@ -1,0 +1,91 @@
+"""The kernel backend, chosen once per engine from (device, dtype, name) by ``select_backend``.
+
+The engine (server/engine/llm_engine.py) calls ``select_backend`` once and hands the result to model
+construction (server/loader/weights.py ``load_model``) and to the model runner
+(server/worker/model_runner.py), which asks it whether decode steps may run in CUDA graphs
+(server/worker/cuda_graphs.py). Nothing else picks kernels: the model binds ``backend.kernels`` into
+every layer when it is built.
+
+Backends (every one a module with the functions named in ``pagedserve.kernels.KERNELS``):
+
+* ``triton``: ``pagedserve.kernels`` (kernels/), the default on CUDA. On a CPU only in a process that
+  runs Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use.
+* ``cpu``: ``pagedserve.kernels.cpu`` (kernels/cpu.py), C++ kernels for float32 on the CPU, the default
+  there.
+* ``torch``: ``pagedserve.kernels.reference`` (kernels/reference.py), pure torch, any device and dtype.
+
+Where ``cpu`` cannot run its C++ (another dtype, a CUDA device, or no compiler to build it), the torch
+references would run behind its name, so the choice says so: it resolves to ``torch`` with a warning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
+BACKEND_NAMES = ("triton", "cpu", "torch")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # one of BACKEND_NAMES: what actually runs, after any fallback
+    kernels: ModuleType  # the functions of pagedserve.kernels.KERNELS
+    # Only the Triton kernels on CUDA keep context lengths on the device; the references and the C++
+    # kernels read them on the host, which a captured graph cannot do.
+    supports_cuda_graphs: bool
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = None) -> Backend:
+    """The backend for ``device`` and ``dtype``: ``name``, else ``$PAGEDSERVE_ATTENTION_BACKEND``, else
+    triton on CUDA and cpu elsewhere. ``ValueError`` for an unknown name or triton where it cannot run."""
+    requested = (name or os.environ.get(BACKEND_ENV) or "").lower()
+    if requested and requested not in BACKEND_NAMES:
+        raise ValueError(f"{BACKEND_ENV} (or attention_backend) must be one of {', '.join(BACKEND_NAMES)}, "
+                         f"got {requested!r}")
+    choice = requested or ("triton" if device.type == "cuda" else "cpu")
+    if choice == "triton":
+        return _triton(device)
+    if choice == "cpu":
+        return _cpu(device, dtype)
+    return _torch()
+
+
+def _triton(device: torch.device) -> Backend:
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("the triton backend needs Triton installed; set "
+                         f"{BACKEND_ENV}=torch to run the torch references instead")
+    if device.type != "cuda":
+        from pagedserve.kernels._triton_utils import interpreter_active
+
+        if not interpreter_active():
+            raise ValueError(f"the triton backend needs a CUDA device, got {device} (on a CPU it runs only "
+                             "in a process started with TRITON_INTERPRET=1)")
+    import pagedserve.kernels as triton_kernels
+
+    return Backend("triton", triton_kernels, supports_cuda_graphs=device.type == "cuda")
+
+
+def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
+    from pagedserve.kernels import cpu
+
+    if device.type != "cpu" or dtype != torch.float32:
+        logger.warning("the cpu backend's C++ kernels take float32 on the CPU, not %s on %s: "
+                       "using the torch references", dtype, device)
+        return _torch()
+    if cpu.load_extension() is None:  # compiles now, not inside the first request; it logged why not
+        return _torch()
+    return Backend("cpu", cpu, supports_cuda_graphs=False)
+
+
+def _torch() -> Backend:
+    from pagedserve.kernels import reference
+
+    return Backend("torch", reference, supports_cuda_graphs=False)
