@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from pagedserve.benchmark.datasets import random_token_prompts
-from pagedserve.benchmark.serve import send_request
+from pagedserve.benchmarks.datasets import random_token_prompts
+from pagedserve.benchmarks.serve import send_request
 
 
 @dataclass
