@@ -139,6 +139,12 @@ class ServerProcess(ManagedProcess):
         wait_http(self.url + self.ready_path, self.process, timeout, self.log_path)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds (all threads) that process ``pid`` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pagedserve_argv(*args: str) -> list[str]:
     """`pagedserve ARGS` run by this interpreter (its console script need not be on PATH)."""
     return [sys.executable, "-m", "pagedserve.cli", *args]
