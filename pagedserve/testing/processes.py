@@ -85,6 +85,13 @@ class ManagedProcess:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def check_alive(self) -> None:
+        """Raise RuntimeError, with the log's tail, if the process has ended."""
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(
+                f"{self.log_path.stem}: exited with {self.process.returncode}:\n{self.log_tail()}"
+            )
+
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
