@@ -10,4 +10,5 @@ with no ``sys.path`` edits). Importing it never imports torch: the router's test
 - fake_openai.py: ``FakeOpenAI``, the one fake engine replica (router tests, bench tests, benchmarks)
 - server_thread.py: ``ServerThread``, an ASGI app on uvicorn inside the test process
 - tiny_tokenizer.py: a byte-level tokenizer folder with a chat template (no hub, no torch)
+- kubeconfig.py: ``kubeconfig_env()``, a child's environment pointed at a local Kubernetes API (kmock)
 """

@@ -8,7 +8,6 @@ port, as pods behind a Service share the target port.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.kubeconfig import kubeconfig_env
 from pagedserve.testing.net import free_port
 from pagedserve.testing.processes import router_process
 from pagedserve.testing.server_thread import ServerThread
@@ -79,16 +79,7 @@ async def test_router_follows_endpointslices(tmp_path: Path, backends, tiny_toke
             r = await kube.post(SLICES, json=endpoint_slice("engine-a", [("127.0.0.2", True)]))
             assert r.status_code in (200, 201), r.text
 
-            kubeconfig = tmp_path / "kubeconfig.yaml"
-            kubeconfig.write_text(
-                "apiVersion: v1\nkind: Config\n"
-                f'clusters: [{{name: kmock, cluster: {{server: "{url}"}}}}]\n'
-                "users: [{name: test, user: {token: test-token}}]\n"
-                "contexts: [{name: kmock, context: {cluster: kmock, user: test}}]\n"
-                "current-context: kmock\n"
-            )
-            env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-            env["KUBECONFIG"] = str(kubeconfig)
+            env = kubeconfig_env(url, tmp_path)
             router = router_process(
                 tmp_path / "router.log", [], "--k8s-service", "engine", "--namespace", "ml",
                 "--target-port", str(port), "--tokenizer", tiny_tokenizer, "--health-interval", "0.2",
