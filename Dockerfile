@@ -25,6 +25,7 @@ COPY server/ server/
 COPY kernels/ kernels/
 COPY router/ router/
 COPY operator/ operator/
+COPY benchmarks/ benchmarks/
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------------

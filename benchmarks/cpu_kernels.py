@@ -1,6 +1,7 @@
 """The CPU backend's kernels against what they replace, at the embedded model's shapes.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/cpu_kernels.py [--batch 64] [--context 340] [--repeats 30]
+    OMP_WAIT_POLICY=PASSIVE python -m pagedserve.benchmarks.cpu_kernels [--batch 64] [--context 340] \
+        [--repeats 30]
 
 Prints, per kernel, the best-of-N time of the torch reference (or ``F.linear``, MKL's sgemm) and of the
 CPU backend (C++ ops; oneDNN for the projections), and the ratio. The linear rows run the decoder's

@@ -11,8 +11,8 @@ report gives each side's median and the overhead 1 - http / offline (target: <= 
 CPU seconds per output token (the engine's process; on the HTTP side plus the client's), which a loaded
 machine distorts less than wall time.
 
-    python benchmarks/http_overhead.py                        # CPU defaults: 32 clients, 64 in, 32 out
-    python benchmarks/http_overhead.py --device cuda --output-len 256 --input-len 512
+    python -m pagedserve.benchmarks.http_overhead             # CPU defaults: 32 clients, 64 in, 32 out
+    python -m pagedserve.benchmarks.http_overhead --device cuda --output-len 256 --input-len 512
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pagedserve.benchmarks.datasets import random_token_prompts
+from pagedserve.benchmarks.serve import send_request
 
-from pagedserve.benchmark.datasets import random_token_prompts
-from pagedserve.benchmark.serve import send_request
+from pagedserve.testing.processes import ServerProcess, cpu_seconds, serve_process
 
 
 @dataclass
@@ -98,7 +97,7 @@ def run_offline(llm: Any, prompts: list[list[int]], output_len: int) -> Run:
 
 async def run_http(base_url: str, prompts: list[list[int]], output_len: int, server_pid: int) -> Run:
     url = f"{base_url}/v1/completions"
-    cpu = time.process_time() + process_cpu(server_pid)
+    cpu = time.process_time() + cpu_seconds(server_pid)
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
 
@@ -117,7 +116,7 @@ async def run_http(base_url: str, prompts: list[list[int]], output_len: int, ser
             *[send_request(client, url, body(ids), {}, chat=False) for ids in prompts]
         )
         elapsed = max(r.end_time for r in results) - start
-    cpu = time.process_time() + process_cpu(server_pid) - cpu
+    cpu = time.process_time() + cpu_seconds(server_pid) - cpu
     failed = [r.error for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
@@ -128,52 +127,18 @@ def describe(run: Run) -> str:
     return f"{run.tok_s:7.1f} tok/s, {run.cpu_ms_per_token:6.1f} CPU ms/token"
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) that process `pid` has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--disable-log-requests",
-    ]
-    if args.model:
-        cmd.append(args.model)
+def start_server(args: argparse.Namespace) -> ServerProcess:
+    flags = ["--device", args.device, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    flags += ["--disable-log-requests", *([args.model] if args.model else [])]
     log = Path(tempfile.mkstemp(prefix="http-overhead-", suffix=".log")[1])
-    with log.open("wb") as out:
-        env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_API_KEY"}
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return process, base_url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"server not healthy after {args.startup_timeout}s")
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_API_KEY"}
+    server = serve_process(log, *flags, env=env, stop_timeout_s=60).start()
+    try:
+        server.wait_ready(args.startup_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,26 +147,22 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     tokenizer = llm.get_tokenizer()
-    process, base_url, log = start_server(args)
+    server = start_server(args)
     offline: list[Run] = []
     http: list[Run] = []
     try:
         warm = workload(tokenizer, args, seed=0)[:4]
         run_offline(llm, warm, 4)
-        asyncio.run(run_http(base_url, warm, 4, process.pid))
+        asyncio.run(run_http(server.url, warm, 4, server.pid))
         for repeat in range(1, args.repeats + 1):
             prompts = workload(tokenizer, args, seed=repeat)
             offline.append(run_offline(llm, prompts, args.output_len))
-            http.append(asyncio.run(run_http(base_url, prompts, args.output_len, process.pid)))
+            http.append(asyncio.run(run_http(server.url, prompts, args.output_len, server.pid)))
             assert http[-1].tokens == offline[-1].tokens == args.clients * args.output_len
             print(f"repeat {repeat}: offline {describe(offline[-1])}   http {describe(http[-1])}", flush=True)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.unlink(missing_ok=True)
+        server.stop()
+        server.log_path.unlink(missing_ok=True)
 
     def median(runs: list[Run], key: str) -> float:
         return statistics.median(getattr(r, key) for r in runs)

@@ -1,8 +1,8 @@
 """The router's own cost: added latency (p50, p99) and the requests/s it sustains.
 
-Starts on 127.0.0.1 a fast stand-in backend (tests/router/fake_backend.py: answers a chat completion at
-once) and the router in front of it (``python -m pagedserve.router``, default strategy prefix-hash, so
-every request is rendered with the chat template, tokenized and hashed), then drives both with a lean
+Starts on 127.0.0.1 a fast stand-in backend (pagedserve/testing/fake_openai.py: answers a chat
+completion at once) and the router in front of it (``pagedserve router``, default strategy prefix-hash,
+so every request is rendered with the chat template, tokenized and hashed), then drives both with a lean
 keep-alive HTTP/1.1 client:
 
 1. latency: requests one at a time, direct to the backend and through the router; the router's added
@@ -13,7 +13,7 @@ keep-alive HTTP/1.1 client:
 The request is a chat completion with a system prompt of about ``--prompt-words`` words and a short
 user turn (a new user turn per request, so the hash chain changes every time).
 
-    .venv/bin/python benchmarks/router_overhead.py [--router-cpus 0,1] [--json out.json]
+    .venv/bin/python -m pagedserve.benchmarks.router_overhead [--router-cpus 0,1] [--json out.json]
 
 ``--router-cpus`` pins the router (taskset-style) to those cores; the backend and the client then run on
 ``--other-cpus`` if given.
@@ -23,38 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS_ROUTER = ROOT / "tests" / "router"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(port: int, path: str = "/health", timeout: float = 60.0) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing answered on port {port}")
+from pagedserve.testing.processes import cpu_seconds, fake_openai_process, router_process
 
 
 def cpu_list(text: str | None) -> set[int] | None:
@@ -70,14 +48,6 @@ def cpu_list(text: str | None) -> set[int] | None:
     return out
 
 
-def start(cmd: list[str], cpus: set[int] | None, env: dict | None = None) -> subprocess.Popen:
-    def pin() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return subprocess.Popen(cmd, preexec_fn=pin, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
 def default_tokenizer() -> str:
     """The embedded model's folder if it has been built, else a tiny byte-level tokenizer."""
     try:
@@ -89,8 +59,7 @@ def default_tokenizer() -> str:
             f"# default model unavailable ({type(exc).__name__}); using the tiny test tokenizer",
             file=sys.stderr,
         )
-    sys.path.insert(0, str(TESTS_ROUTER))
-    from tiny_tokenizer import build_tiny_tokenizer
+    from pagedserve.testing.tiny_tokenizer import build_tiny_tokenizer
 
     return build_tiny_tokenizer(Path(tempfile.mkdtemp()) / "tok")
 
@@ -130,15 +99,14 @@ class Conn:
         return status
 
 
-STREAM = False  # --stream: the stand-in answers with 4 SSE chunks instead of one JSON body
+STREAM = False  # --stream: the stand-in answers with 4 SSE chunks (its 4 tokens) instead of one JSON body
 
 
 def make_request(port: int, i: int, system_prompt: str) -> bytes:
     body = json.dumps(
         {
             "model": "bench",
-            "stream": STREAM,
-            "max_tokens": 1,
+            "stream": STREAM,  # no max_tokens: the stand-in generates its default 4 tokens
             "messages": [
                 {"role": "system", "content": system_prompt},
                 {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
@@ -201,12 +169,6 @@ async def throughput_run(port: int, concurrency: int, duration: float, system_pr
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -234,65 +196,28 @@ def main() -> int:
     tokenizer = a.tokenizer or default_tokenizer()
     system_prompt = " ".join(f"rule{k % 37} is important;" for k in range(a.prompt_words // 3))
 
-    backend_port, router_port = free_port(), free_port()
+    logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [
-        start(
-            [
-                sys.executable,
-                str(TESTS_ROUTER / "fake_backend.py"),
-                "--port",
-                str(backend_port),
-                "--no-record",
-            ],
-            other,
-            env,
-        ),
-    ]
-    try:
-        wait_http(backend_port)
-        procs.append(
-            start(
-                [
-                    sys.executable,
-                    "-m",
-                    "pagedserve.router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(router_port),
-                    "--backend",
-                    f"http://127.0.0.1:{backend_port}",
-                    "--tokenizer",
-                    tokenizer,
-                    "--model-name",
-                    "bench",
-                    "--strategy",
-                    a.strategy,
-                    "--log-level",
-                    "warning",
-                ],
-                cpu_list(a.router_cpus),
-                env,
-            )
+    with contextlib.ExitStack() as running:  # stops the router, then the backend, whatever happens
+        backend = running.enter_context(
+            fake_openai_process(logs / "backend.log", "--no-record", "--tokens", "4", env=env, cpus=other)
         )
-        wait_http(router_port)
+        backend.wait_ready(60)
+        flags = ["--tokenizer", tokenizer, "--model-name", "bench", "--strategy", a.strategy]
+        flags += ["--log-level", "warning"]
+        router_cpus = cpu_list(a.router_cpus)
+        router = running.enter_context(
+            router_process(logs / "router.log", [backend.url], *flags, env=env, cpus=router_cpus)
+        )
+        router.wait_ready(60)
 
-        direct = asyncio.run(latency_run(backend_port, a.requests, system_prompt))
-        routed = asyncio.run(latency_run(router_port, a.requests, system_prompt))
-        tp_direct = asyncio.run(throughput_run(backend_port, a.concurrency, a.duration, system_prompt))
-        cpu0 = cpu_seconds(procs[1].pid)
-        tp_router = asyncio.run(throughput_run(router_port, a.concurrency, a.duration, system_prompt))
+        direct = asyncio.run(latency_run(backend.port, a.requests, system_prompt))
+        routed = asyncio.run(latency_run(router.port, a.requests, system_prompt))
+        tp_direct = asyncio.run(throughput_run(backend.port, a.concurrency, a.duration, system_prompt))
+        cpu0 = cpu_seconds(router.pid)
+        tp_router = asyncio.run(throughput_run(router.port, a.concurrency, a.duration, system_prompt))
         # Includes the 1 s warm-up: CPU per request is over all requests the router served in the run.
-        tp_router["router_cpu_seconds"] = cpu_seconds(procs[1].pid) - cpu0
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        tp_router["router_cpu_seconds"] = cpu_seconds(router.pid) - cpu0
 
     ms = 1000.0
     served = tp_router["requests"] + tp_router.get("warmup_requests", 0)

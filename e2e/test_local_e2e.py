@@ -12,10 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,9 @@ from typing import Any
 import httpx
 import pytest
 from pagedserve.operator import render
+
+from pagedserve.testing.net import free_port
+from pagedserve.testing.processes import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,6 @@ MODELDEPLOYMENT = {
 }
 # The flags whose values name places in a cluster; nothing else in the args may change.
 ADDRESS_FLAGS = {"--host", "--port", "--k8s-service", "--namespace", "--target-port", "--backend"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def containers() -> dict[str, dict[str, Any]]:
@@ -125,45 +119,25 @@ def executable(command: list[str]) -> list[str]:
 
 
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], Path]]]:
-    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+def processes() -> Iterator[list[ServerProcess]]:
+    started: list[ServerProcess] = []
     yield started
-    for proc, _ in started:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc, _ in started:
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    for proc in reversed(started):
+        proc.stop()
 
 
-def start(container: dict[str, Any], args: list[str], workdir: Path, started: list[Any]) -> Any:
-    log = workdir / f"{container['name']}.log"
-    proc = subprocess.Popen(
-        executable(container["command"]) + args,
+def start(
+    container: dict[str, Any], args: list[str], port: int, ready_path: str, workdir: Path
+) -> ServerProcess:
+    return ServerProcess(
+        argv=executable(container["command"]) + args,
+        log_path=workdir / f"{container['name']}.log",
         env=local_env(container, workdir),
         cwd=workdir,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    started.append((proc, log))
-    return proc
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{url}: the process exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not ready after {timeout} s:\n{log.read_text()[-4000:]}")
+        port=port,
+        ready_path=ready_path,
+        stop_timeout_s=60,
+    ).start()
 
 
 def test_rendered_containers_answer_paris(tmp_path: Path, processes: list[Any]) -> None:
@@ -188,10 +162,10 @@ def test_rendered_containers_answer_paris(tmp_path: Path, processes: list[Any]) 
     assert strip_address_flags(router_args) == strip_address_flags(router["args"])
     assert "--device" in engine_args and engine_args[engine_args.index("--device") + 1] == "cpu"
 
-    engine_proc = start(engine, engine_args, tmp_path, processes)
-    router_proc = start(router, router_args, tmp_path, processes)
-    wait_http(f"http://127.0.0.1:{engine_port}/health", engine_proc, tmp_path / "engine.log", timeout=420)
-    wait_http(f"http://127.0.0.1:{router_port}/ready", router_proc, tmp_path / "router.log", timeout=60)
+    processes.append(start(engine, engine_args, engine_port, "/health", tmp_path))
+    processes.append(start(router, router_args, router_port, "/ready", tmp_path))
+    processes[0].wait_ready(420)
+    processes[1].wait_ready(60)
 
     import openai
 

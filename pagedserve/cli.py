@@ -19,9 +19,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("pagedserve.operator.main", "run the Kubernetes operator for ModelDeployments"),
 }
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
-    "throughput": ("pagedserve.benchmark.throughput", "offline engine throughput, optionally against HF"),
-    "serve": ("pagedserve.benchmark.serve", "serving benchmark against an OpenAI-compatible endpoint"),
-    "plot": ("pagedserve.benchmark.plot", "plot results of `bench serve`"),
+    "throughput": ("pagedserve.benchmarks.throughput", "offline engine throughput, optionally against HF"),
+    "serve": ("pagedserve.benchmarks.serve", "serving benchmark against an OpenAI-compatible endpoint"),
+    "plot": ("pagedserve.benchmarks.plot", "plot results of `bench serve`"),
 }
 
 

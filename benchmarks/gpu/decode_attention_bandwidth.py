@@ -6,7 +6,7 @@ the block tables. Also timed: the torch reference on the same inputs, the tunabl
 swept (``--sweep``), the split-K effect at batch 1 and long contexts, and the prefill kernel's
 FLOP/s (with its own sweep) to tune it.
 
-    python benchmarks/gpu/decode_attention_bandwidth.py [--sweep] [--out DIR]
+    python -m pagedserve.benchmarks.gpu.decode_attention_bandwidth [--sweep] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import importlib
 import itertools
 
 import torch
-from common import copy_bandwidth, cuda_time, device_info, write_result
+from pagedserve.benchmarks.gpu.common import copy_bandwidth, cuda_time, device_info, write_result
 from pagedserve.kernels import paged_attention_decode, paged_attention_prefill, reference
 from pagedserve.kernels.testing import make_paged_case
 

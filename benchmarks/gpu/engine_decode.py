@@ -12,8 +12,8 @@ device-to-device copy bandwidth.
 the share is busy time over the wall time of those steps. The same steps' mean time without the
 profiler is reported beside it, to show what the profiler itself costs.
 
-    python benchmarks/gpu/random_model.py --shape llama3-8b --out /tmp/llama3-8b
-    python benchmarks/gpu/engine_decode.py --model /tmp/llama3-8b [--out DIR]
+    python -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out /tmp/llama3-8b
+    python -m pagedserve.benchmarks.gpu.engine_decode --model /tmp/llama3-8b [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import copy_bandwidth, device_info, write_result
+from pagedserve.benchmarks.gpu.common import copy_bandwidth, device_info, write_result
 
 from pagedserve import LLM, SamplingParams
 
@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True, help="a model folder (benchmarks/gpu/random_model.py)")
+    parser.add_argument("--model", required=True, help="a folder from pagedserve.benchmarks.gpu.random_model")
     parser.add_argument("--new-tokens", type=int, default=128, help="(b): decode steps timed at batch 1")
     parser.add_argument("--batch", type=int, default=64, help="(d): requests decoding together")
     parser.add_argument("--steps", type=int, default=30, help="(d): profiled steps")

@@ -5,7 +5,7 @@ A folder holds what ``pagedserve.LLM`` and Hugging Face Transformers both load: 
 with the ``tokenizers`` library (byte-level, no merges: any text encodes to its bytes, every id decodes),
 chat template included. No hub access is needed.
 
-    python benchmarks/gpu/random_model.py --shape llama3-8b --num-layers 4 --out /tmp/llama8b-4l
+    python -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --num-layers 4 --out /tmp/llama8b-4l
 
 Weights are seeded normal(0, initializer_range), norm weights normal(1, 0.1); speed does not depend on
 their values, and engine-vs-HF parity only needs both to load the same numbers.

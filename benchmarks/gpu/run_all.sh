@@ -16,6 +16,7 @@
 # under $PAGEDSERVE_RANDOM_MODELS (default /tmp/pagedserve-models) and reused while the machine lives.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONSAFEPATH=1  # `python -m` from here: ./operator must not shadow the stdlib module
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
@@ -53,12 +54,12 @@ for stage in "${stages[@]}"; do
     engine-tests)
       run $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_engine_gpu.py --junitxml "$OUT/engine_tests.xml" ;;
     a)
-      run $PY benchmarks/gpu/decode_attention_bandwidth.py --sweep --out "$OUT" ;;
+      run $PY -m pagedserve.benchmarks.gpu.decode_attention_bandwidth --sweep --out "$OUT" ;;
     bd)
-      run $PY benchmarks/gpu/random_model.py --shape llama3-8b --out "$MODELS/llama3-8b"
-      run $PY benchmarks/gpu/engine_decode.py --model "$MODELS/llama3-8b" --out "$OUT" ;;
+      run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
+      run $PY -m pagedserve.benchmarks.gpu.engine_decode --model "$MODELS/llama3-8b" --out "$OUT" ;;
     c)
-      run $PY benchmarks/gpu/random_model.py --shape llama3.2-1b --out "$MODELS/llama3.2-1b"
+      run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3.2-1b --out "$MODELS/llama3.2-1b"
       run $PY -m pagedserve.cli bench throughput --model "$MODELS/llama3.2-1b" --num-prompts 256 \
         --compare hf --hf-batch-size 32 --device cuda --dtype bfloat16 \
         --result-json "$OUT/c_throughput_vs_hf.json" ;;

@@ -3,4 +3,12 @@ a fake OpenAI backend, and the Kubernetes manifest validator.
 
 Importable from an installed pagedserve (``tests/``, ``e2e/`` and ``benchmarks/`` use it as a package,
 with no ``sys.path`` edits). Importing it never imports torch: the router's tests run without it.
+
+- net.py: ``free_port()``, ``wait_http()`` (fails at once, with the log's tail, when the server dies)
+- processes.py: ``serve_process()``, ``router_process()``, ``fake_openai_process()`` and
+  ``ManagedProcess`` for any command: a log file, SIGTERM then SIGKILL to the whole group, always
+- fake_openai.py: ``FakeOpenAI``, the one fake engine replica (router tests, bench tests, benchmarks)
+- server_thread.py: ``ServerThread``, an ASGI app on uvicorn inside the test process
+- tiny_tokenizer.py: a byte-level tokenizer folder with a chat template (no hub, no torch)
+- kubeconfig.py: ``kubeconfig_env()``, a child's environment pointed at a local Kubernetes API (kmock)
 """

@@ -6,8 +6,7 @@ import json
 
 import pytest
 from bench_helpers import bench_args
-
-from pagedserve.benchmark import plot, throughput
+from pagedserve.benchmarks import plot, throughput
 
 
 def fake_run(conc, out_tps, ttft, label=None):

@@ -8,8 +8,7 @@ import re
 import httpx
 import pytest
 from bench_helpers import bench_args, standin
-
-from pagedserve.benchmark import serve
+from pagedserve.benchmarks import serve
 
 
 def run_serve(capsys, argv: list[str]) -> tuple[int, str]:
@@ -45,7 +44,7 @@ def test_against_standin(standin_server, capsys, tmp_path, endpoint):
          "50,99"],
     )  # fmt: skip
     assert rc == 0
-    stats = httpx.get(standin_server + "/stats").json()  # what the server counted
+    stats = httpx.get(standin_server + "/_stats").json()  # what the server counted
     run = json.loads(out.read_text())
     assert run["completed"] == 12 and run["failed"] == 0
     # The server also counted the initial test run (the first prompt, min(10, 16) tokens), which the
@@ -87,14 +86,14 @@ def test_sweep_writes_a_list_and_poisson_rate(standin_server, capsys, tmp_path):
 
 def test_failures_counted_when_the_server_dies_mid_run(capsys, tmp_path):
     out = tmp_path / "r.json"
-    with standin("--token-delay", "0.01", "--die-after", "4") as (base, proc):
+    with standin(tmp_path / "standin.log", "--token-delay", "0.01", "--die-after", "4") as fake:
         rc, report = run_serve(
             capsys,
-            ["--base-url", base, "--num-prompts", "10", "--input-len", "5", "--output-len", "8",
+            ["--base-url", fake.url, "--num-prompts", "10", "--input-len", "5", "--output-len", "8",
              "--max-concurrency", "2", "--skip-initial-test", "--result-json", str(out)],
         )  # fmt: skip
-        proc.wait(timeout=10)
-        assert proc.returncode != 0  # it really died
+        fake.process.wait(timeout=10)
+        assert fake.process.returncode != 0  # it really died
     assert rc == 0  # the run still ends with a report
     run = json.loads(out.read_text())
     assert run["completed"] + run["failed"] == 10
@@ -108,8 +107,9 @@ def test_failures_counted_when_the_server_dies_mid_run(capsys, tmp_path):
     assert "Serving Benchmark Result" in report
 
 
-def test_api_key_and_unreachable_server(capsys, monkeypatch):
-    with standin("--api-key", "sekret") as (base, _):
+def test_api_key_and_unreachable_server(capsys, monkeypatch, tmp_path):
+    with standin(tmp_path / "standin.log", "--api-key", "sekret") as fake:
+        base = fake.url
         monkeypatch.setenv("OPENAI_API_KEY", "sekret")
         rc, report = run_serve(capsys, ["--base-url", base, "--num-prompts", "2", "--output-len", "3"])
         assert rc == 0 and report_value(report, "Successful requests:") == 2

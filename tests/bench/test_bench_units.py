@@ -10,9 +10,8 @@ import sys
 
 import pytest
 from bench_helpers import bench_args
-
-from pagedserve.benchmark import datasets, serve, throughput
-from pagedserve.benchmark.serve import RequestResult
+from pagedserve.benchmarks import datasets, serve, throughput
+from pagedserve.benchmarks.serve import RequestResult
 
 
 def test_random_dataset_is_seeded_and_distinct():
@@ -191,7 +190,8 @@ def test_hf_token_accounting_counts_only_requested_tokens():
 
 def test_bench_modules_import_light():
     code = (
-        "import sys, pagedserve.benchmark.serve, pagedserve.benchmark.plot, pagedserve.benchmark.throughput; "
+        "import sys, pagedserve.benchmarks.serve, pagedserve.benchmarks.plot, "
+        "pagedserve.benchmarks.throughput; "
         "heavy = [m for m in ('torch', 'matplotlib', 'transformers', 'numpy') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )

@@ -11,15 +11,10 @@ of the oracle's best. In fp32 the tolerance is tiny, which makes the comparison 
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
-
-import random_model  # noqa: F401 (re-exported for conftest.py)
+from pagedserve.benchmarks.gpu import random_model  # noqa: F401 (re-exported for conftest.py)
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -182,11 +182,7 @@ def test_every_kernel_has_a_reference_with_the_same_signature():
 def test_engine_greedy_with_triton_kernels_equals_the_torch_reference(tmp_path, monkeypatch):
     """The whole engine on a tiny random Llama, every kernel interpreted: chunked prefill, a shared
     prefix, decode. Greedy output in fp32 equals the reference backend's."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
-    import random_model
+    from pagedserve.benchmarks.gpu import random_model
 
     from pagedserve import LLM, SamplingParams
 

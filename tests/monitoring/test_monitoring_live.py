@@ -9,15 +9,10 @@ with a window that fits a short run (1m at a 1 s scrape interval).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,12 +34,6 @@ MISSING = [
 SUBSTITUTIONS = {"namespace": ".*", "model_name": ".*", "modeldeployment": ".*", "__rate_interval": "1m"}
 LIFETIME_S = 300  # every process started here is killed after this long, whatever happens to the test
 STARTUP_S = 240  # the first start may convert the embedded model (about 30 s on 2 cores)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def substitute(expr: str) -> str:
@@ -87,60 +76,6 @@ def alert_expressions() -> list[tuple[str, str]]:
         render({"monitoring": {"prometheusRule": {"enabled": True}}}, include_crds=False), "PrometheusRule"
     )
     return [(r["alert"], r["expr"]) for g in rule["spec"]["groups"] for r in g["rules"]]
-
-
-class Processes:
-    """Child processes in their own session, each under `timeout` so none outlives LIFETIME_S."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            ["timeout", "-k", "5", str(LIFETIME_S), *argv],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        log.close()
-        self.procs.append((name, proc))
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
-
-    def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
-
-
-def wait_http(procs: Processes, url: str, deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not up after {deadline_s} s")
 
 
 def drive_load(base: str, model: str, seconds: float) -> dict[int, int]:
@@ -193,59 +128,59 @@ def drive_load(base: str, model: str, seconds: float) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def prometheus() -> Iterator[str]:
+    from pagedserve.testing.net import free_port
+    from pagedserve.testing.processes import ServerProcess, router_process, serve_process
+
     if MISSING:
         pytest.skip(f"not built yet: {', '.join(MISSING)}")
     prom = find_tool("prometheus")
     if prom is None:
         pytest.skip("prometheus missing: run `make tools`")
-    pagedserve = shutil.which("pagedserve", path=str(Path(sys.executable).parent)) or "pagedserve"
-    engine_port, router_port, prom_port = free_port(), free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="pagedserve-monitoring-") as tmp:
         tmpdir = Path(tmp)
-        procs = Processes(tmpdir)
-        try:
-            procs.start(
-                "engine",
-                [pagedserve, "serve", "--host", "127.0.0.1", "--port", str(engine_port),
-                 "--max-num-seqs", "4", "--max-model-len", "512", "--disable-log-requests"],
-            )  # fmt: skip
-            procs.start(
-                "router",
-                [pagedserve, "router", "--host", "127.0.0.1", "--port", str(router_port),
-                 "--backend", f"http://127.0.0.1:{engine_port}", "--health-interval", "0.5"],
-            )  # fmt: skip
-            config = {
-                "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-                "scrape_configs": [
-                    {"job_name": "engine", "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"]}]},
-                    {"job_name": "router", "static_configs": [{"targets": [f"127.0.0.1:{router_port}"]}]},
-                ],
-            }
-            (tmpdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-            procs.start(
-                "prometheus",
-                [prom, f"--config.file={tmpdir / 'prometheus.yml'}", f"--storage.tsdb.path={tmpdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h",
-                 "--log.level=warn"],
-            )  # fmt: skip
-            prom_url = f"http://127.0.0.1:{prom_port}"
-            wait_http(procs, f"{prom_url}/-/ready", 60)
-            wait_http(procs, f"http://127.0.0.1:{engine_port}/health", STARTUP_S)
-            wait_http(procs, f"http://127.0.0.1:{router_port}/ready", 60)
+        # Each under `timeout`, so that none outlives LIFETIME_S whatever happens to the test.
+        engine = serve_process(
+            tmpdir / "engine.log", "--max-num-seqs", "4", "--max-model-len", "512", "--disable-log-requests",
+            lifetime_s=LIFETIME_S,
+        )  # fmt: skip
+        router = router_process(
+            tmpdir / "router.log", [engine.url], "--health-interval", "0.5", lifetime_s=LIFETIME_S
+        )
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": "engine", "static_configs": [{"targets": [f"127.0.0.1:{engine.port}"]}]},
+                {"job_name": "router", "static_configs": [{"targets": [f"127.0.0.1:{router.port}"]}]},
+            ],
+        }
+        (tmpdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        prom_port = free_port()
+        prometheus = ServerProcess(
+            argv=[prom, f"--config.file={tmpdir / 'prometheus.yml'}",
+                  f"--storage.tsdb.path={tmpdir / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
+                  "--storage.tsdb.retention.time=1h", "--log.level=warn"],
+            log_path=tmpdir / "prometheus.log", port=prom_port, ready_path="/-/ready", lifetime_s=LIFETIME_S,
+        )  # fmt: skip
+        procs = {"engine": engine, "router": router, "prometheus": prometheus}
+        with contextlib.ExitStack() as running:  # stopped in reverse order, whatever happens
+            try:
+                for proc in procs.values():
+                    running.enter_context(proc)
+                prometheus.wait_ready(60)
+                engine.wait_ready(STARTUP_S)
+                router.wait_ready(60)
 
-            router = f"http://127.0.0.1:{router_port}"
-            model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
-            statuses = drive_load(router, model, seconds=20)
-            assert statuses.get(200, 0) >= 10, statuses
-            procs.check_alive()
-            time.sleep(3)  # a few more scrapes after the last request
-            yield prom_url
-        except BaseException:
-            for name in ("engine", "router", "prometheus"):
-                print(f"----- {name} log -----\n{procs.log(name)}")
-            raise
-        finally:
-            procs.stop()
+                model = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"][0]["id"]
+                statuses = drive_load(router.url, model, seconds=20)
+                assert statuses.get(200, 0) >= 10, statuses
+                for proc in procs.values():
+                    proc.check_alive()
+                time.sleep(3)  # a few more scrapes after the last request
+                yield prometheus.url
+            except BaseException:
+                for name, proc in procs.items():
+                    print(f"----- {name} log -----\n{proc.log_tail()}")
+                raise
 
 
 def query(prom_url: str, expr: str) -> list[dict[str, Any]]:

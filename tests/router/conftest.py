@@ -1,13 +1,8 @@
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_tokenizer import build_tiny_tokenizer
+from pagedserve.testing.tiny_tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import threading
 
 import httpx
 import pytest
-from fake_backend import FakeBackend, ServerThread
 from pagedserve.router.balancer import Balancer
 from pagedserve.router.discovery import (
     EndpointSliceDiscovery,
@@ -18,6 +17,9 @@ from pagedserve.router.discovery import (
     normalize_url,
     parse_engine_metrics,
 )
+
+from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.server_thread import ServerThread
 
 
 def test_parse_engine_metrics():
@@ -219,7 +221,7 @@ def fake_servers():
     servers = []
 
     def start(name):
-        s = ServerThread(FakeBackend(name)).start()
+        s = ServerThread(FakeOpenAI(name=name)).start()
         servers.append(s)
         return s
 
@@ -264,7 +266,7 @@ async def test_health_monitor_scrapes_load_and_tracks_health(fake_servers):
         await mon.check(a.url)
         assert a.url not in balancer.ready_urls()
         mon.sync()
-        revived = ServerThread(FakeBackend("a2"), port=port).start()
+        revived = ServerThread(FakeOpenAI(name="a2"), port=port).start()
         try:
             await wait_for(lambda: a.url in balancer.ready_urls(), timeout=5)
         finally:

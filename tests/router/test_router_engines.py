@@ -15,14 +15,12 @@ import asyncio
 import importlib.util
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from pagedserve.testing.processes import router_process, serve_process
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,12 +34,6 @@ MODEL = "SmolLM2-135M-Instruct"
 TENANTS = 4  # coprime with 3 replicas, so round-robin does not pin tenants by accident
 USERS = 4
 TOPICS = ["billing", "shipping", "warranty", "accounts", "returns", "privacy", "loyalty", "repairs"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def system_prompt(salt: str, tenant: int) -> str:
@@ -91,110 +83,30 @@ def fleet_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
-
-
 def engine_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_engine(port: int, log) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagedserve.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--uvicorn-log-level",
-            "warning",
-            "--disable-access-log",
-            "--shutdown-grace-period",
-            "1",
-        ],
-        env=engine_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def start_router(port: int, backends: list[str], tokenizer: str, strategy: str, log) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--tokenizer",
-        tokenizer,
-        "--model-name",
-        MODEL,
-        "--strategy",
-        strategy,
-        "--health-interval",
-        "0.5",
-        "--health-timeout",
-        "5",
-        "--log-level",
-        "warning",
-    ]
-    for b in backends:
-        cmd += ["--backend", b]
-    return subprocess.Popen(cmd, env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+ENGINE_FLAGS = ("--uvicorn-log-level", "warning", "--disable-access-log", "--shutdown-grace-period", "1")
 
 
 class Engines:
-    def __init__(self, tmp_path_factory) -> None:
-        self.logdir = tmp_path_factory.mktemp("engines")
-        self.ports = [free_port() for _ in range(3)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.procs: list[subprocess.Popen] = []
-        self.logs = []
-        for i, port in enumerate(self.ports):
-            log = open(self.logdir / f"engine{i}.log", "ab")  # noqa: SIM115 - the engine writes to it
-            self.logs.append(log)
-            self.procs.append(start_engine(port, log))
+    """Three `pagedserve serve` replicas on 127.0.0.1, each with its own log."""
 
-    def restart(self, i: int) -> None:
-        self.procs[i] = start_engine(self.ports[i], self.logs[i])
+    def __init__(self, tmp_path_factory) -> None:
+        logdir = tmp_path_factory.mktemp("engines")
+        self.servers = [
+            serve_process(logdir / f"engine{i}.log", *ENGINE_FLAGS, env=engine_env()).start()
+            for i in range(3)
+        ]
+        self.urls = [server.url for server in self.servers]
 
     def log_tail(self) -> str:
-        return "\n".join(
-            f"--- engine{i}:\n" + (self.logdir / f"engine{i}.log").read_text(errors="replace")[-3000:]
-            for i in range(len(self.ports))
-        )
+        return "\n".join(f"--- engine{i}:\n" + s.log_tail(3000) for i, s in enumerate(self.servers))
 
     def close(self) -> None:
-        for p in self.procs:
-            stop(p)
-        for log in self.logs:
-            log.close()
+        for server in self.servers:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +121,8 @@ def engines(tmp_path_factory, default_tokenizer):
     e = Engines(tmp_path_factory)
     started = time.time()
     try:
-        for url, proc in zip(e.urls, e.procs, strict=True):
-            wait_healthy(url, proc)
+        for server in e.servers:
+            server.wait_ready(240)
         print(f"3 engines up in {time.time() - started:.0f} s")
         yield e
     except Exception:
@@ -222,20 +134,20 @@ def engines(tmp_path_factory, default_tokenizer):
 
 @pytest.fixture()
 def router_factory(tmp_path, default_tokenizer):
-    procs = []
+    routers = []
 
     def make(backends: list[str], strategy: str) -> str:
-        port = free_port()
-        log = open(tmp_path / f"router-{strategy}.log", "ab")  # noqa: SIM115 - closed at teardown
-        procs.append((start_router(port, backends, default_tokenizer, strategy, log), log))
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, procs[-1][0], timeout=60)
-        return url
+        flags = ["--tokenizer", default_tokenizer, "--model-name", MODEL, "--strategy", strategy,
+                 "--health-interval", "0.5", "--health-timeout", "5", "--log-level", "warning"]  # fmt: skip
+        log = tmp_path / f"router-{strategy}.log"
+        router = router_process(log, backends, *flags, env=engine_env(), ready_path="/health").start()
+        routers.append(router)
+        router.wait_ready(60)
+        return router.url
 
     yield make
-    for proc, log in procs:
-        stop(proc)
-        log.close()
+    for router in routers:
+        router.stop()
 
 
 def run_workload(base_url: str, requests: list[dict]) -> None:
@@ -325,7 +237,7 @@ def test_killed_replica_is_retried_around_and_rejoins(engines, router_factory, d
 
             tasks = [asyncio.create_task(limited(b)) for b in bodies]
             await asyncio.sleep(1.5)  # requests queued and running on every replica
-            os.kill(engines.procs[victim].pid, signal.SIGKILL)
+            engines.servers[victim].kill()
             return await asyncio.gather(*tasks)
 
     started = time.time()
@@ -339,7 +251,6 @@ def test_killed_replica_is_retried_around_and_rejoins(engines, router_factory, d
         f"fault run: {len(results)} streams in {time.time() - started:.0f} s, "
         f"{sum(not r['done'] for r in results)} cut mid-stream, {retries:.0f} attempts retried"
     )
-    engines.procs[victim].wait()
     failed = [r for r in results if not (r["status"] == 200 and r["done"] and r["error"] is None)]
     # Only streams that had already started on the dead replica may fail; everything else was retried.
     assert all(r["started"] for r in failed), failed
@@ -359,9 +270,9 @@ def test_killed_replica_is_retried_around_and_rejoins(engines, router_factory, d
     with httpx.Client(base_url=router, timeout=180) as c:
         assert c.post("/v1/chat/completions", json=chat(salt, 0, 0)).status_code == 200
     # ...and it rejoins when it comes back, without restarting the router.
-    engines.restart(victim)
+    engines.servers[victim].start()
     started = time.time()
-    wait_healthy(victim_url, engines.procs[victim])
+    engines.servers[victim].wait_ready(240)
     print(f"replica restarted in {time.time() - started:.0f} s")
     wait_until(lambda: router_backends(router)[victim_url]["ready"], 10, "the replica rejoins")
     before = router_backends(router)[victim_url]

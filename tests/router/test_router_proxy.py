@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from fake_backend import FakeBackend, ServerThread
 from pagedserve.router.proxy import RouterApp, RouterConfig
 
-HERE = Path(__file__).parent
+from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.net import free_port
+from pagedserve.testing.processes import ServerProcess, fake_openai_process
+from pagedserve.testing.server_thread import ServerThread
+
 SYSTEM = "You are the assistant of tenant {t}. Follow the house rules: be brief, be kind, cite sources. " * 3
 
 
@@ -31,15 +29,9 @@ def body(t: int, u: int, stream: bool = False) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Fleet:
     def __init__(self, tokenizer: str, n: int = 3, extra_urls=(), **cfg) -> None:
-        self.backends = [ServerThread(FakeBackend(f"b{i}")).start() for i in range(n)]
+        self.backends = [ServerThread(FakeOpenAI(name=f"b{i}")).start() for i in range(n)]
         config = RouterConfig(
             backends=[b.url for b in self.backends] + list(extra_urls),
             tokenizer=tokenizer,
@@ -114,7 +106,7 @@ def test_same_prefix_same_replica_and_tenants_spread(fleet):
 def test_streams_pass_through_chunk_by_chunk(fleet):
     f = fleet(n=1)
     b = f.backends[0].app
-    b.chunks, b.chunk_delay = 4, 0.3
+    b.tokens, b.token_delay = 4, 0.3
     arrivals = []
     with f.client.stream("POST", "/v1/chat/completions", json=body(0, 0, stream=True)) as r:
         assert r.status_code == 200
@@ -250,7 +242,7 @@ def test_router_metrics_names(fleet):
 def test_client_disconnect_mid_stream_closes_the_upstream_request(fleet):
     f = fleet(n=1)
     b = f.backends[0].app
-    b.chunks, b.chunk_delay = 50, 0.05
+    b.tokens, b.token_delay = 50, 0.05
     with f.client.stream("POST", "/v1/chat/completions", json=body(0, 0, stream=True)) as r:
         next(r.iter_raw())
     deadline = time.time() + 5
@@ -268,7 +260,7 @@ def test_many_concurrent_streams(fleet):
 
     f = fleet(n=3)
     for b in f.backends:
-        b.app.chunks, b.app.chunk_delay = 5, 0.01
+        b.app.tokens, b.app.token_delay = 5, 0.01
 
     async def one(client, i):
         async with client.stream("POST", "/v1/chat/completions", json=body(i % 5, i, stream=True)) as r:
@@ -285,36 +277,25 @@ def test_many_concurrent_streams(fleet):
 
 
 # --- replicas that die ------------------------------------------------------------------------------------
-def spawn_backend(name: str, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "fake_backend.py"), "--port", str(port), "--name", name],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("fake backend did not start")
-
-
 @pytest.fixture()
-def procs():
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+def spawn_backend(tmp_path):
+    """Fake replicas in their own processes, so that a test can SIGKILL one."""
+    started: list[ServerProcess] = []
+
+    def spawn(name: str, port: int) -> ServerProcess:
+        backend = fake_openai_process(tmp_path / f"{name}.log", "--name", name, port=port).start()
+        started.append(backend)
+        backend.wait_ready(20)
+        return backend
+
+    yield spawn
+    for backend in started:
+        backend.stop()
 
 
-def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, procs):
+def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, spawn_backend):
     ports = [free_port(), free_port()]
-    procs += [spawn_backend(f"p{i}", port) for i, port in enumerate(ports)]
+    procs = [spawn_backend(f"p{i}", port) for i, port in enumerate(ports)]
     app = RouterApp(
         RouterConfig(
             backends=[f"http://127.0.0.1:{p}" for p in ports],
@@ -331,8 +312,6 @@ def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, procs):
             victim = procs[int(owner[1])]
             victim_port = ports[int(owner[1])]
             httpx.post(f"http://127.0.0.1:{victim_port}/_control", json={"first_delay": 5.0})
-            import threading
-
             result = {}
 
             def call():
@@ -341,7 +320,7 @@ def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, procs):
             t = threading.Thread(target=call)
             t.start()
             time.sleep(0.5)  # the request is waiting at the victim
-            os.kill(victim.pid, signal.SIGKILL)
+            victim.kill()
             t.join(20)
             r = result["r"]
             assert r.status_code == 200
@@ -352,7 +331,7 @@ def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, procs):
                 time.sleep(0.05)
             assert f"http://127.0.0.1:{victim_port}" not in app.balancer.ready_urls()
             # ...and rejoins when it comes back, taking its prefixes back from the ring.
-            procs.append(spawn_backend(owner, victim_port))
+            spawn_backend(owner, victim_port)
             deadline = time.time() + 5
             while (
                 time.time() < deadline and f"http://127.0.0.1:{victim_port}" not in app.balancer.ready_urls()
@@ -364,10 +343,10 @@ def test_replica_dying_before_the_first_byte_is_retried(tiny_tokenizer, procs):
         router.stop()
 
 
-def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_tokenizer, procs):
+def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_tokenizer, spawn_backend):
     port = free_port()
-    procs.append(spawn_backend("solo", port))
-    httpx.post(f"http://127.0.0.1:{port}/_control", json={"chunks": 100, "chunk_delay": 0.05})
+    solo = spawn_backend("solo", port)
+    httpx.post(f"http://127.0.0.1:{port}/_control", json={"tokens": 100, "token_delay": 0.05})
     app = RouterApp(
         RouterConfig(
             backends=[f"http://127.0.0.1:{port}"],
@@ -387,7 +366,7 @@ def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_token
                 if line:
                     lines.append(line)
                 if len(lines) == 3:
-                    os.kill(procs[0].pid, signal.SIGKILL)
+                    solo.kill()
         assert r.status_code == 200
         last = json.loads(lines[-1][len("data: ") :])
         assert last["error"]["type"] == "server_error" and "mid-stream" in last["error"]["message"]

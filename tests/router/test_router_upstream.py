@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from pagedserve.router.upstream import (
@@ -13,6 +12,8 @@ from pagedserve.router.upstream import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+
+from pagedserve.testing.net import free_port
 
 
 class RawServer:
@@ -132,11 +133,8 @@ async def test_body_until_close_and_no_body_statuses():
 
 async def test_errors():
     pool = UpstreamPool(connect_timeout=2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with pytest.raises(UpstreamConnectError):
-        await pool.request(f"http://127.0.0.1:{port}", "GET", "/", [])
+        await pool.request(f"http://127.0.0.1:{free_port()}", "GET", "/", [])
     with pytest.raises(UpstreamConnectError):
         await pool.request("https://example.invalid", "GET", "/", [])
 

@@ -10,15 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -26,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedserve import default_model
+from pagedserve.testing.processes import ServerProcess, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -35,63 +30,14 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 240
 
 
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="pagedserve-serve-", suffix=".log")[1])
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--shutdown-grace-period",
-        "60",
-    ]
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--shutdown-grace-period", "60"]
     env = {**os.environ, "PAGEDSERVE_API_KEY": API_KEY}
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(f"http://127.0.0.1:{port}", process, log)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{srv.log()[-4000:]}")
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{srv.log()[-4000:]}")
-            time.sleep(0.5)
+    with serve_process(log, *flags, env=env) as srv:
+        srv.wait_ready(STARTUP_TIMEOUT_S)
         yield srv
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        log.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +45,15 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(default_model()))
 
 
-def client(server: Server) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def async_client(server: Server) -> openai.AsyncOpenAI:
+def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def metric(server: Server, name: str, labels: str = "") -> float:
+def metric(server: ServerProcess, name: str, labels: str = "") -> float:
     """The value of the first sample of `name` whose label set contains `labels`."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for line in text.splitlines():
@@ -120,7 +66,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 # ------------------------------------------------------------------------------------- openai client
-def test_chat_answers_paris_with_tokenizer_usage(server: Server, tokenizer) -> None:
+def test_chat_answers_paris_with_tokenizer_usage(server: ServerProcess, tokenizer) -> None:
     result = client(server).chat.completions.create(
         model=MODEL, messages=FRANCE, max_tokens=24, temperature=0
     )
@@ -138,7 +84,7 @@ def test_chat_answers_paris_with_tokenizer_usage(server: Server, tokenizer) -> N
     assert result.model == MODEL
 
 
-def test_chat_stream_equals_non_stream(server: Server) -> None:
+def test_chat_stream_equals_non_stream(server: ServerProcess) -> None:
     c = client(server)
     kwargs = {"model": MODEL, "messages": FRANCE, "max_tokens": 16, "temperature": 0}
     whole = c.chat.completions.create(**kwargs).choices[0].message.content
@@ -150,7 +96,7 @@ def test_chat_stream_equals_non_stream(server: Server) -> None:
     assert chunks[-1].usage.completion_tokens > 0
 
 
-def test_completions_stream_and_not(server: Server, tokenizer) -> None:
+def test_completions_stream_and_not(server: ServerProcess, tokenizer) -> None:
     c = client(server)
     prompt = "The capital of France is"
     kwargs = {
@@ -170,7 +116,7 @@ def test_completions_stream_and_not(server: Server, tokenizer) -> None:
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-def test_n_seed_stop_logprobs(server: Server) -> None:
+def test_n_seed_stop_logprobs(server: ServerProcess) -> None:
     c = client(server)
     sampled = {"model": MODEL, "messages": FRANCE, "max_tokens": 10, "temperature": 1.0, "seed": 1234}
     two = c.chat.completions.create(**sampled, n=2)
@@ -202,7 +148,7 @@ def test_n_seed_stop_logprobs(server: Server) -> None:
     assert all(len(top) >= 2 for top in logprobs.top_logprobs or [])
 
 
-def test_models_tokenize_version(server: Server, tokenizer) -> None:
+def test_models_tokenize_version(server: ServerProcess, tokenizer) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
     tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
@@ -226,7 +172,7 @@ def test_models_tokenize_version(server: Server, tokenizer) -> None:
 
 
 # ------------------------------------------------------------------------------------- concurrency
-def test_32_concurrent_streams(server: Server) -> None:
+def test_32_concurrent_streams(server: ServerProcess) -> None:
     """32 streaming clients at once: each streamed text equals the same request's non-streamed (greedy) text,
     and /metrics saw several requests running together."""
     prompts = [f"Fact number {i}:" for i in range(32)]
@@ -265,7 +211,7 @@ def test_32_concurrent_streams(server: Server) -> None:
     assert peak > 1, "never saw more than one request running at once"
 
 
-def test_disconnects_free_everything(server: Server) -> None:
+def test_disconnects_free_everything(server: ServerProcess) -> None:
     idle_usage = metric(server, "vllm:kv_cache_usage_perc")
     aborted_before = metric(server, "vllm:request_success_total", 'finished_reason="abort"')
 
@@ -311,7 +257,7 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-def test_error_cases(server: Server) -> None:
+def test_error_cases(server: ServerProcess) -> None:
     auth = {"Authorization": f"Bearer {API_KEY}"}
     url = f"{server.url}/v1/chat/completions"
     with httpx.Client(timeout=60) as http:
@@ -348,7 +294,7 @@ def test_error_cases(server: Server) -> None:
         client(server).chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=10_000)
 
 
-def test_schemathesis_fuzz_no_server_errors(server: Server) -> None:
+def test_schemathesis_fuzz_no_server_errors(server: ServerProcess) -> None:
     """Every operation in /openapi.json, fuzzed with schema-valid and invalid data: never a 5xx, and every
     response's status, content type and body as the schema documents them.
 
@@ -415,7 +361,7 @@ def test_schemathesis_fuzz_no_server_errors(server: Server) -> None:
 
 
 # ----------------------------------------------------------------------------------- last: shutdown
-def test_sigterm_drains_in_flight_and_exits_zero(server: Server) -> None:
+def test_sigterm_drains_in_flight_and_exits_zero(server: ServerProcess) -> None:
     """SIGTERM: new connections refused, the in-flight stream runs to its end, exit code 0."""
     c = client(server)
     stream = c.completions.create(
@@ -429,6 +375,6 @@ def test_sigterm_drains_in_flight_and_exits_zero(server: Server) -> None:
         httpx.get(f"{server.url}/health", timeout=2)
     rest = list(chunks)  # ... but the stream in flight runs to its end
     assert first.choices and rest[-1].choices[0].finish_reason == "length"
-    assert server.process.wait(timeout=60) == 0, server.log()[-3000:]
-    log = server.log()
+    assert server.process.wait(timeout=60) == 0, server.log_text()[-3000:]
+    log = server.log_text()
     assert "method=POST path=/v1/completions status=200" in log  # the access log

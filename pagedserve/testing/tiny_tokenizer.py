@@ -1,4 +1,5 @@
-"""A tiny byte-level tokenizer with a ChatML chat template, saved as a model folder (no torch, no hub).
+"""A tiny byte-level tokenizer with a ChatML chat template, saved as a model folder (no torch, no hub),
+for the router tests and benchmarks/router_overhead.py.
 
 Every byte is one token, so distinct texts give distinct token ids; the special tokens are single ids.
 """

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from pagedserve.benchmark import datasets
+from pagedserve.benchmarks import datasets
 
 METRICS = (  # key, name in the report, header of its section
     ("ttft", "TTFT", "Time to First Token"),

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from pagedserve.benchmark import datasets
+from pagedserve.benchmarks import datasets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
