@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +28,8 @@ pytest.importorskip("kopf")
 
 from pagedserve.operator import render  # noqa: E402
 from pagedserve.operator.resources import CHILD_KINDS, HASH_ANNOTATION  # noqa: E402
+
+from pagedserve.testing.kubeconfig import kubeconfig_env  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -138,16 +139,7 @@ async def cluster() -> AsyncIterator[tuple[Emulator, httpx.AsyncClient]]:
 
 @contextlib.asynccontextmanager
 async def running_operator(url: str, workdir: Path, tag: str) -> AsyncIterator[Path]:
-    kubeconfig = workdir / "kubeconfig.yaml"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f'clusters: [{{name: kmock, cluster: {{server: "{url}"}}}}]\n'
-        "users: [{name: test, user: {token: test-token}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: test}}]\n"
-        "current-context: kmock\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    env["KUBECONFIG"] = str(kubeconfig)
+    env = kubeconfig_env(url, workdir)
     log = workdir / f"operator-{tag}.log"
     with log.open("w") as out:
         proc = await asyncio.create_subprocess_exec(
