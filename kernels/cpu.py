@@ -1,8 +1,8 @@
 """The engine's CPU backend: C++ kernels for float32, with the torch references as their fallback.
 
 Decode attention is most of a CPU decode step, and the reference spends it gathering every sequence's
-blocks into a padded batch; ``csrc/paged_attention_cpu.cpp`` reads the blocks in place instead. The
-norms, SiLU-and-mul and rotary embedding (``csrc/elementwise_cpu.cpp``) are one pass each instead of
+blocks into a padded batch; ``kernels/csrc/paged_attention_cpu.cpp`` reads the blocks in place instead. The
+norms, SiLU-and-mul and rotary embedding (``kernels/csrc/elementwise_cpu.cpp``) are one pass each instead of
 five to ten ATen ops, which at decode batch sizes cost more than their arithmetic. Prefill attention and
 the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are already good).
 
