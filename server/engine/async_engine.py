@@ -154,9 +154,6 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # ---- requests -----------------------------------------------------------------------------------
 
     async def add_request(
