@@ -62,13 +62,7 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens ``[start, end)`` of prompt + output without concatenating the whole sequence (hot path)."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def finished(self) -> bool:
@@ -77,3 +71,13 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+
+def token_slice(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:
+    """Tokens ``[start, end)`` of prompt + output without concatenating the whole sequence (hot path)."""
+    num_prompt = len(prompt_token_ids)
+    if end <= num_prompt:
+        return prompt_token_ids[start:end]
+    if start >= num_prompt:
+        return output_token_ids[start - num_prompt:end - num_prompt]
+    return prompt_token_ids[start:] + output_token_ids[:end - num_prompt]

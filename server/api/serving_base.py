@@ -335,6 +335,8 @@ class OpenAIServing:
                     finals[index] = output
                 else:
                     final.add(output)
+            if any(final is None for final in finals):  # aborted without an output: the engine shut down
+                raise APIError("The engine stopped before the request finished.", 503)
             return finals
 
         return await run_unless_disconnected(request, collect())

@@ -22,7 +22,13 @@ from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import EngineDeadError, StepError
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
-from pagedserve.server.engine.processor import ProcessedRequest, Processor, PromptInput
+from pagedserve.server.engine.processor import (
+    ProcessedRequest,
+    Processor,
+    PromptInput,
+    load_tokenizer,
+    make_processor,
+)
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -92,8 +98,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model (server/engine/core.py) and its tokenizer."""
-        from pagedserve.server.engine.core import EngineCore
-        from pagedserve.server.engine.llm_engine import load_tokenizer, make_processor
+        from pagedserve.server.engine.core import EngineCore  # here: it imports torch and the model code
 
         core = EngineCore(config)
         tokenizer = load_tokenizer(config, core)

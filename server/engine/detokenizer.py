@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.server.request import token_slice
+
 CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output token, for correct spacing
 
 
@@ -44,12 +46,7 @@ class IncrementalDetokenizer:
         return self._find_stop_string(len(new_text))
 
     def _slice(self, start: int, end: int) -> list[int]:
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def _decode_new_text(self) -> str:
         upto = len(self.prompt_token_ids) + len(self.output_token_ids)

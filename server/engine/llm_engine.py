@@ -7,30 +7,14 @@ processor (server/engine/output_processor.py), which makes the text and the Requ
 
 from __future__ import annotations
 
-from typing import Any
-
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.core import EngineCore
 from pagedserve.server.engine.core_output import EngineStats
 from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
-from pagedserve.server.engine.processor import ProcessedRequest, Processor, PromptInput, eos_token_ids
+from pagedserve.server.engine.processor import ProcessedRequest, PromptInput, load_tokenizer, make_processor
 from pagedserve.server.sampling_params import SamplingParams
-
-
-def load_tokenizer(config: EngineConfig, core: EngineCore) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(config.tokenizer or core.model_path))
-
-
-def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
-    """The request checks for this core's model and limits."""
-    config = core.config
-    assert config.max_model_len is not None  # resolved by the core
-    return Processor(tokenizer, core.vocab_size, config.max_model_len, config.max_num_seqs,
-                     eos_token_ids(core.model_path, tokenizer))
 
 
 class LLMEngine:

@@ -12,12 +12,16 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.server.config import EngineConfig
+    from pagedserve.server.engine.core import EngineCore
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -125,3 +129,18 @@ def eos_token_ids(model_path: Path, tokenizer: Any) -> frozenset[int]:
         eos = json.loads(generation_config.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     return frozenset(ids)
+
+
+def load_tokenizer(config: EngineConfig, core: EngineCore) -> Any:
+    """The tokenizer the front end uses: ``config.tokenizer`` or the model's own."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(config.tokenizer or core.model_path))
+
+
+def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
+    """The request checks for this core's model and its resolved limits."""
+    config = core.config
+    assert config.max_model_len is not None  # resolved by the core
+    return Processor(tokenizer, core.vocab_size, config.max_model_len, config.max_num_seqs,
+                     eos_token_ids(core.model_path, tokenizer))
