@@ -108,6 +108,8 @@ class OutputProcessor:
                 continue  # aborted, or stopped by a stop string, since the core ran this step
             state = self.requests[parent_id]
             sample = state.samples[core_output.request_id]
+            if sample.finished:
+                continue  # a stop string ended it; the core ran it once more before the abort arrived
             if sample.index == 0:
                 state.num_cached_tokens = core_output.num_cached_tokens
             if self._update(sample, core_output, state.params) and core_output.finish_reason is None:
