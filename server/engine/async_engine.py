@@ -203,7 +203,14 @@ class AsyncEngine:
     # ---- on the event loop: one call per engine step ------------------------------------------------
 
     def _on_step(self, core_outputs: list[EngineCoreOutput]) -> None:
-        processed = self.output_processor.process_outputs(core_outputs)
+        try:
+            processed = self.output_processor.process_outputs(core_outputs)
+        except Exception as exc:  # a bug in the front end: fail the requests, never leave a stream waiting
+            logger.exception("processing the engine's outputs failed; failing all requests")
+            for stream in list(self._streams.values()):
+                self._release(stream.request_id, abort=True)
+                stream.queue.put_nowait(exc)
+            return
         if processed.to_abort:
             self._send("abort", processed.to_abort)
         for output in processed.request_outputs:

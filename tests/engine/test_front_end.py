@@ -121,7 +121,11 @@ async def test_step_thread_never_calls_the_tokenizer(engine: LLMEngine) -> None:
     try:
         params = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=24, logprobs=3, stop=["."],
                                 output_kind=RequestOutputKind.DELTA)
-        outputs = [o async for o in async_engine.generate(PROMPT, params, "recorded")]
+
+        async def collect() -> list[RequestOutput]:
+            return [o async for o in async_engine.generate(PROMPT, params, "recorded")]
+
+        outputs = await asyncio.wait_for(collect(), timeout=120)
         assert outputs[-1].finished
         assert async_engine._thread is not None and async_engine._thread.name == "engine-loop"
         assert tokenizer.threads == {threading.current_thread().name}  # the event loop's thread only
