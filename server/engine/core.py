@@ -37,15 +37,25 @@ class EngineCore:
         if config.served_model_name is None:
             config.served_model_name = config.model or DEFAULT_SERVED_NAME
         self._load_model_and_runner()
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 hash_seed=f"{self.model_path}:{self.dtype}")
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            hash_seed=f"{self.model_path}:{self.dtype}",
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        logger.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-                    self.model_path, self.device, self.dtype, self.num_blocks, config.block_size,
-                    config.max_model_len)
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            self.model_path,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            config.block_size,
+            config.max_model_len,
+        )
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -59,13 +69,23 @@ class EngineCore:
         self.vocab_size = int(self.hf_config.vocab_size)
         num_kv_heads, head_dim = _kv_shape(self.hf_config)
         num_layers = len(self.model.attention_layers())
-        block_bytes = ModelRunner.bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim,
-                                                  self.dtype)
+        block_bytes = ModelRunner.bytes_per_block(
+            num_layers, config.block_size, num_kv_heads, head_dim, self.dtype
+        )
         self.num_blocks = self._num_blocks(block_bytes)
         self._resolve_max_model_len()
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, num_kv_heads, head_dim,
-                                  self.dtype, self.device, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=config.max_model_len or 0, enforce_eager=config.enforce_eager)
+        self.runner = ModelRunner(
+            self.model,
+            self.num_blocks,
+            config.block_size,
+            num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len or 0,
+            enforce_eager=config.enforce_eager,
+        )
 
     def _num_blocks(self, block_bytes: int) -> int:
         cfg = self.config
@@ -87,8 +107,9 @@ class EngineCore:
         from pagedserve.server.layers.attention import select_backend
         from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
 
-        peak = profile_activation_peak(self.model, select_backend(self.device), self.config.batched_tokens,
-                                       self.config.max_num_seqs)
+        peak = profile_activation_peak(
+            self.model, select_backend(self.device), self.config.batched_tokens, self.config.max_num_seqs
+        )
         return kv_cache_budget(self.device, self.config.gpu_memory_utilization, peak)
 
     def _resolve_max_model_len(self) -> None:
@@ -98,11 +119,14 @@ class EngineCore:
         if cfg.max_model_len is None:
             cfg.max_model_len = min(model_limit, capacity)
         elif cfg.max_model_len > model_limit:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_limit}")
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings {model_limit}"
+            )
         elif cfg.max_model_len > capacity:
-            raise ValueError(f"max_model_len {cfg.max_model_len} does not fit the KV cache ({capacity} "
-                             "tokens); raise kv_cache_memory_bytes or lower max_model_len")
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} does not fit the KV cache ({capacity} "
+                "tokens); raise kv_cache_memory_bytes or lower max_model_len"
+            )
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -148,12 +172,17 @@ class EngineCore:
             if request.finished:
                 self.scheduler.finish(request, request.status)
                 del self.requests[request.request_id]
-            outputs.append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[token.token_id],
-                new_logprobs=[token] if request.params.logprobs is not None else None,
-                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0), metrics=request.metrics,
-            ))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token.token_id],
+                    new_logprobs=[token] if request.params.logprobs is not None else None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    metrics=request.metrics,
+                )
+            )
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: BaseException) -> StepError:
@@ -176,19 +205,25 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_STOPPED
             if token_id in request.params.stop_token_ids:
                 request.stop_reason = token_id
-        elif (request.num_output_tokens >= request.max_tokens
-              or request.num_tokens >= (self.config.max_model_len or 0)):
+        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= (
+            self.config.max_model_len or 0
+        ):
             request.status = RequestStatus.FINISHED_LENGTH
         if request.finished:
             request.metrics.finished_time = now
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            num_gpu_blocks=self.num_blocks, block_size=self.config.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_gpu_blocks=self.num_blocks,
+            block_size=self.config.block_size,
         )
 
 

@@ -78,14 +78,19 @@ class OutputProcessor:
         samples = {}
         for index, child in enumerate(request.children):
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop_strings,
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop_strings,
                 params.include_stop_str_in_output,
             )
-            samples[child.request_id] = SampleState(index, detokenizer, child.metrics,
-                                                    [] if params.logprobs is not None else None)
+            samples[child.request_id] = SampleState(
+                index, detokenizer, child.metrics, [] if params.logprobs is not None else None
+            )
             self.parent_of[child.request_id] = request.request_id
-        self.requests[request.request_id] = RequestState(request.request_id, request.prompt,
-                                                         request.prompt_token_ids, params, samples)
+        self.requests[request.request_id] = RequestState(
+            request.request_id, request.prompt, request.prompt_token_ids, params, samples
+        )
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its core request ids (the caller aborts those in the core)."""
@@ -174,14 +179,22 @@ class OutputProcessor:
         elif kind is RequestOutputKind.CUMULATIVE:
             completions = [self._cumulative(s, state.params) for s in samples]
         else:
-            completions = [c for s in samples if s.index in state.changed
-                           if (c := self._delta(s, state.params)) is not None]
+            completions = [
+                c
+                for s in samples
+                if s.index in state.changed
+                if (c := self._delta(s, state.params)) is not None
+            ]
             if not completions and not state.finished:
                 return None
         state.changed.clear()
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            num_cached_tokens=state.num_cached_tokens, outputs=completions, finished=state.finished,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            num_cached_tokens=state.num_cached_tokens,
+            outputs=completions,
+            finished=state.finished,
             metrics=samples[0].metrics,
         )
 
@@ -196,11 +209,13 @@ class OutputProcessor:
     def _cumulative(self, sample: SampleState, params: SamplingParams) -> CompletionOutput:
         detokenizer = sample.detokenizer
         return CompletionOutput(
-            index=sample.index, text=detokenizer.text[:self._visible_chars(sample, params)],
+            index=sample.index,
+            text=detokenizer.text[: self._visible_chars(sample, params)],
             token_ids=list(detokenizer.output_token_ids),
             cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
             logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-            finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
         )
 
     def _delta(self, sample: SampleState, params: SamplingParams) -> CompletionOutput | None:
@@ -215,11 +230,15 @@ class OutputProcessor:
         detokenizer = sample.detokenizer
         num_tokens = len(detokenizer.output_token_ids)
         delta = CompletionOutput(
-            index=sample.index, text=detokenizer.text[sample.sent_chars:visible],
-            token_ids=detokenizer.output_token_ids[sample.sent_tokens:num_tokens],
+            index=sample.index,
+            text=detokenizer.text[sample.sent_chars : visible],
+            token_ids=detokenizer.output_token_ids[sample.sent_tokens : num_tokens],
             cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
-            logprobs=sample.logprobs[sample.sent_tokens:num_tokens] if sample.logprobs is not None else None,
-            finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+            logprobs=sample.logprobs[sample.sent_tokens : num_tokens]
+            if sample.logprobs is not None
+            else None,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
         )
         sample.sent_chars, sample.sent_tokens = visible, num_tokens
         return delta

@@ -39,16 +39,23 @@ class ProcessedRequest:
 
 
 class Processor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
 
-    def process(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                arrival_time: float | None = None) -> ProcessedRequest:
+    def process(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
+    ) -> ProcessedRequest:
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
@@ -62,8 +69,12 @@ class Processor:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         children = [
             Request(
-                request_id=child_id(request_id, index, params.n), prompt_token_ids=token_ids, params=params,
-                max_tokens=max_tokens, eos_token_ids=eos, metrics=RequestMetrics(arrival_time=arrival),
+                request_id=child_id(request_id, index, params.n),
+                prompt_token_ids=token_ids,
+                params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=eos,
+                metrics=RequestMetrics(arrival_time=arrival),
                 seed=params.seed + index if params.seed is not None else None,
             )
             for index in range(params.n)
@@ -92,7 +103,8 @@ class Processor:
                 f"This model's maximum context length (max_model_len) is {limit} tokens. However, your "
                 f"request has {len(token_ids)} input tokens, which leaves no room for a completion. Please "
                 "reduce the length of the input.",
-                param="prompt", code="context_length_exceeded",
+                param="prompt",
+                code="context_length_exceeded",
             )
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
@@ -105,7 +117,8 @@ class Processor:
                 f"This model's maximum context length (max_model_len) is {limit} tokens. However, you "
                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in "
                 "max_tokens). Please reduce the length of the input or of max_tokens.",
-                param="max_tokens", code="context_length_exceeded",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         return requested
 
@@ -142,5 +155,10 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
     """The request checks for this core's model and its resolved limits."""
     config = core.config
     assert config.max_model_len is not None  # resolved by the core
-    return Processor(tokenizer, core.vocab_size, config.max_model_len, config.max_num_seqs,
-                     eos_token_ids(core.model_path, tokenizer))
+    return Processor(
+        tokenizer,
+        core.vocab_size,
+        config.max_model_len,
+        config.max_num_seqs,
+        eos_token_ids(core.model_path, tokenizer),
+    )

@@ -37,10 +37,16 @@ def run(engine: LLMEngine, request_id: str, params: SamplingParams) -> list[Requ
 def summary(output: RequestOutput) -> list[dict[str, Any]]:
     return [
         {
-            "index": c.index, "text": c.text, "token_ids": c.token_ids, "finish": c.finish_reason,
-            "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob,
-            "logprobs": [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in step.items()}
-                         for step in c.logprobs or []],
+            "index": c.index,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "cumulative_logprob": c.cumulative_logprob,
+            "logprobs": [
+                {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in step.items()}
+                for step in c.logprobs or []
+            ],
         }
         for c in output.outputs
     ]
@@ -48,15 +54,22 @@ def summary(output: RequestOutput) -> list[dict[str, Any]]:
 
 def test_deltas_concatenate_to_the_cumulative_output(engine: LLMEngine) -> None:
     """Stop strings (one sample stops on one, text is held back until decided), n > 1 and logprobs."""
-    common: dict[str, Any] = {"n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 40, "logprobs": 2,
-                              "stop": [" the", "."]}
-    by_kind = {kind: run(engine, kind.name, SamplingParams(output_kind=kind, **common))
-               for kind in RequestOutputKind}
+    common: dict[str, Any] = {
+        "n": 3,
+        "seed": 11,
+        "temperature": 1.0,
+        "max_tokens": 40,
+        "logprobs": 2,
+        "stop": [" the", "."],
+    }
+    by_kind = {
+        kind: run(engine, kind.name, SamplingParams(output_kind=kind, **common)) for kind in RequestOutputKind
+    }
 
     cumulative = by_kind[RequestOutputKind.CUMULATIVE]
     for before, after in itertools.pairwise(cumulative):
         for old, new in zip(before.outputs, after.outputs, strict=True):
-            assert new.text.startswith(old.text) and new.token_ids[:len(old.token_ids)] == old.token_ids
+            assert new.text.startswith(old.text) and new.token_ids[: len(old.token_ids)] == old.token_ids
 
     deltas = by_kind[RequestOutputKind.DELTA]
     assert len(deltas) > 1 and all(not o.finished for o in deltas[:-1]) and deltas[-1].finished
@@ -73,11 +86,17 @@ def test_deltas_concatenate_to_the_cumulative_output(engine: LLMEngine) -> None:
 
 
 def test_stop_string_aborts_in_the_core(engine: LLMEngine) -> None:
-    (greedy,) = run(engine, "greedy", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                     output_kind=RequestOutputKind.FINAL_ONLY))
+    (greedy,) = run(
+        engine,
+        "greedy",
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        ),
+    )
     word = greedy.outputs[0].text.split()[3]
-    engine.add_request("stopped", PROMPT, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
-                                                         stop=[word]))
+    engine.add_request(
+        "stopped", PROMPT, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, stop=[word])
+    )
     pool = engine.core.kv.pool
     while True:
         (output,) = engine.step()
@@ -119,8 +138,15 @@ async def test_step_thread_never_calls_the_tokenizer(engine: LLMEngine) -> None:
     async_engine = AsyncEngine(engine.core, tokenizer, make_processor(engine.core, tokenizer))
     await async_engine.start()
     try:
-        params = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=24, logprobs=3, stop=["."],
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            n=2,
+            seed=5,
+            temperature=1.0,
+            max_tokens=24,
+            logprobs=3,
+            stop=["."],
+            output_kind=RequestOutputKind.DELTA,
+        )
 
         async def collect() -> list[RequestOutput]:
             return [o async for o in async_engine.generate(PROMPT, params, "recorded")]

@@ -28,8 +28,9 @@ def token(request_id: str, char: str, finish: str | None = None) -> EngineCoreOu
 
 def test_stop_string_ends_one_sample_and_later_tokens_are_ignored() -> None:
     tokenizer = CharTokenizer()
-    processor = Processor(tokenizer, vocab_size=256, max_model_len=64, max_num_seqs=4,
-                          eos_token_ids=frozenset())
+    processor = Processor(
+        tokenizer, vocab_size=256, max_model_len=64, max_num_seqs=4, eos_token_ids=frozenset()
+    )
     outputs = OutputProcessor(tokenizer)
     params = SamplingParams(n=2, max_tokens=10, stop=["cd"], output_kind=RequestOutputKind.DELTA)
     outputs.add_request(processor.process("r", "ab", params))

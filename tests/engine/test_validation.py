@@ -57,6 +57,8 @@ async def test_llm_and_server_refuse_alike(
     error = response.json()["error"]
     expected = refused.value
     assert (error["message"], error["param"], error["code"]) == (
-        expected.message, expected.param, expected.code
+        expected.message,
+        expected.param,
+        expected.code,
     )
     assert isinstance(expected, ValueError) and expected.param
