@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.server.config import EngineConfig
-from pagedserve.server.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.server.engine.llm_engine import LLMEngine
 from pagedserve.server.engine.output import RequestOutput
-from pagedserve.server.sampling_params import SamplingParams
+from pagedserve.server.engine.processor import PromptInput
+from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from tqdm.auto import tqdm
 
 Message = dict[str, Any]
@@ -31,8 +33,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """All prompts are queued at once and run to completion with continuous batching.
 
-        Returns one RequestOutput per prompt, in input order. Raises ValueError (naming the field) for
-        an invalid prompt or parameter before anything runs.
+        Returns one RequestOutput per prompt, in input order. Raises ValueError (InvalidRequestError,
+        naming the field) for an invalid prompt or parameter before anything runs. Each request asks
+        for FINAL_ONLY outputs: one RequestOutput at its end, nothing built per step.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -43,8 +46,12 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("sampling_params must be one per prompt")
+        final_only: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in final_only:
+                final_only[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         parents = [
-            self.engine.process_inputs(str(next(self._ids)), prompt, params)
+            self.engine.process_inputs(str(next(self._ids)), prompt, final_only[id(params)])
             for prompt, params in zip(prompt_list, params_list, strict=False)
         ]
         for parent in parents:

@@ -1,13 +1,20 @@
-"""One sequence's state as it moves through the scheduler: tokens, progress, status, detokenized text."""
+"""One sequence as the engine core sees it: token ids, progress through the scheduler, status.
+
+Text, stop strings and logprob strings are the front end's (server/engine/output_processor.py); a
+prompt asked with n > 1 becomes n of these, each its own core request.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from pagedserve.server.engine.output import Logprob, RequestMetrics
+from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -26,29 +33,21 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence. A prompt asked with n > 1 becomes n Requests that share a parent id."""
+    """One sequence; ``seed`` is already offset by the sample's index, so n samples differ."""
 
     request_id: str
-    parent_id: str
-    index: int  # which of the parent's n samples
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int  # resolved against max_model_len
+    max_tokens: int  # resolved against max_model_len by server/engine/processor.py
     eos_token_ids: frozenset[int]
     metrics: RequestMetrics
+    seed: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
-    output_text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    # Incremental detokenizer offsets into all_token_ids (see engine/detokenizer.py).
-    prefix_offset: int = 0
-    read_offset: int = 0
+    stop_reason: int | None = None  # the stop_token_id that finished it
+    generator: torch.Generator | None = None  # made by the core, on its device
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,18 +61,8 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without concatenating the whole sequence (hot path)."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def finished(self) -> bool:
@@ -82,3 +71,13 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+
+def token_slice(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:
+    """Tokens ``[start, end)`` of prompt + output without concatenating the whole sequence (hot path)."""
+    num_prompt = len(prompt_token_ids)
+    if end <= num_prompt:
+        return prompt_token_ids[start:end]
+    if start >= num_prompt:
+        return output_token_ids[start - num_prompt:end - num_prompt]
+    return prompt_token_ids[start:] + output_token_ids[:end - num_prompt]

@@ -1,10 +1,22 @@
-"""Per-request sampling parameters with vLLM's field names, defaults and validation."""
+"""Per-request sampling parameters with vLLM's field names, defaults and validation, and the shape of
+output the caller wants (``RequestOutputKind``)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
+from pagedserve.server.engine.exceptions import InvalidRequestError
+
 SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's names for what each RequestOutput of a request holds (server/engine/output_processor.py)."""
+
+    CUMULATIVE = 0  # everything generated so far, every step
+    DELTA = 1  # only what is new since the last output: the server streams these
+    FINAL_ONLY = 2  # one output when the request has finished: the offline LLM asks for this
 
 
 @dataclass
@@ -27,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +74,7 @@ class SamplingParams:
         ]
         for ok, name, message in checks:
             if not ok:
-                raise ValueError(f"{name} {message}")
+                raise InvalidRequestError(f"{name} {message}", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -33,7 +33,7 @@ from pagedserve import LLM, SamplingParams
 
 def decode_bytes(llm: LLM) -> tuple[int, int]:
     """(weight bytes a decode step reads, KV bytes per token of context across all layers)."""
-    model = llm.engine.model
+    model = llm.engine.core.model
     params = dict(model.named_parameters())
     total = sum(p.numel() * p.element_size() for p in params.values())
     embed = next(p for n, p in params.items() if "embed_tokens" in n)
@@ -95,7 +95,7 @@ def batch1(llm: LLM, copy_bw: float, new_tokens: int) -> dict:
 def busy_share(llm: LLM, batch: int, warmup: int, steps: int) -> dict:
     add_requests(llm, batch, 128, warmup + 2 * steps + 8, "d")
     while any(r.num_computed_tokens < len(r.prompt_token_ids)
-              for r in llm.engine.scheduler.running + list(llm.engine.scheduler.waiting)):
+              for r in llm.engine.core.scheduler.running + list(llm.engine.core.scheduler.waiting)):
         llm.engine.step()  # prefills
     timed_steps(llm, warmup)
     plain = timed_steps(llm, steps)

@@ -1,4 +1,5 @@
-"""The FastAPI application: vLLM's OpenAI-compatible endpoints in front of one AsyncEngine.
+"""The FastAPI application: vLLM's OpenAI-compatible endpoints in front of one ``EngineClient``
+(server/engine/protocol.py; server/engine/async_engine.py in production).
 
 ``build_app(engine, settings)`` wires the routes, OpenAI-shaped errors, bearer auth on /v1/*, the access
 log and a Prometheus registry of its own; its lifespan starts the engine thread and, on shutdown, lets
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from pagedserve.server.api.access_log import AccessLogMiddleware
@@ -38,13 +39,11 @@ from pagedserve.server.api.protocol import (
 from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
 from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
+from pagedserve.server.engine.protocol import EngineClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from pagedserve import __version__
-
-if TYPE_CHECKING:
-    from pagedserve.server.engine.async_engine import AsyncEngine
 
 
 @dataclass
@@ -70,10 +69,10 @@ def _streamed(model: type, stream_model: type) -> dict[int | str, dict[str, Any]
     }
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    model_names = settings.served_model_names or [engine.config.served_model_name]
-    metrics = ServerMetrics(engine, model_names[0], engine.config.max_model_len)
+    model_names = settings.served_model_names or [engine.served_model_name]
+    metrics = ServerMetrics(engine, model_names[0], engine.max_model_len)
     chat = OpenAIServingChat(engine, model_names, metrics)
     completion = OpenAIServingCompletion(engine, model_names, metrics)
     tokenization = OpenAIServingTokenization(engine, model_names, metrics)
@@ -109,8 +108,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        # getattr: the test fakes' configs (tests/server/api_fakes.py) have no kernel backend.
-        return VersionResponse(version=__version__, backend=getattr(engine.config, "attention_backend", None))
+        return VersionResponse(version=__version__, backend=engine.config.attention_backend)
 
     @app.get(
         "/metrics",
@@ -125,13 +123,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    root = str(getattr(getattr(engine, "engine", None), "model_path", None) or engine.config.model or "")
+    root = engine.model_path
 
     def model_card(name: str) -> ModelCard:
         return ModelCard(
             id=name,
             root=root or name,
-            max_model_len=engine.config.max_model_len,
+            max_model_len=engine.max_model_len,
             permission=[ModelPermission(id=f"modelperm-{name}")],
         )
 

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.server.api.app import ServerSettings, build_app
     from pagedserve.server.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(config)
+    engine = AsyncEngine.from_config(config)
     settings = ServerSettings(
         served_model_names=args.served_model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -2,7 +2,7 @@
 
 Engine state (running/waiting requests, KV usage, prefix-cache and token counters) is read from
 ``engine.stats()`` at scrape time by a custom collector, so the engine step pays nothing for it.
-Per-request histograms are observed by the serving layer as each request's outputs arrive
+Per-request histograms are observed by the serving layer as each request's DELTA outputs arrive
 (``RequestTracker``). The periodic engine log line is the engine's own (AsyncEngine's step thread).
 """
 
@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from pagedserve.server.engine.output import RequestOutput
+    from pagedserve.server.engine.protocol import EngineClient
 
 LABELS = ["model_name", "engine"]
 TTFT_BUCKETS = [
@@ -103,7 +107,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class EngineStatsCollector:
     """Gauges and counters of the engine, read from one ``engine.stats()`` snapshot per scrape."""
 
-    def __init__(self, engine: Any, label_values: list[str], cache_info: dict[str, str]) -> None:
+    def __init__(self, engine: EngineClient, label_values: list[str], cache_info: dict[str, str]) -> None:
         self.engine = engine
         self.label_values = label_values
         self.cache_info = cache_info
@@ -157,7 +161,7 @@ class EngineStatsCollector:
         yield info
 
 
-def cache_config_info(engine: Any) -> dict[str, str]:
+def cache_config_info(engine: EngineClient) -> dict[str, str]:
     """vllm:cache_config_info's labels, from the resolved engine config and the KV pool's size."""
     cfg = engine.config
     stats = engine.stats()
@@ -177,7 +181,7 @@ def cache_config_info(engine: Any) -> dict[str, str]:
 class ServerMetrics:
     """The app's registry: the engine collector plus the per-request histograms and counters."""
 
-    def __init__(self, engine: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = [model_name, "0"]
         self.registry.register(EngineStatsCollector(engine, labels, cache_config_info(engine)))
@@ -247,7 +251,17 @@ class ServerMetrics:
 class RequestTracker:
     """Observes one engine request's outputs as they arrive; records its histograms when it finishes."""
 
-    __slots__ = ("arrival", "done", "last_token", "max_tokens", "metrics", "n", "num_tokens", "prompt_tokens")
+    __slots__ = (
+        "arrival",
+        "done",
+        "last_token",
+        "max_tokens",
+        "metrics",
+        "n",
+        "num_finished",
+        "num_tokens",
+        "prompt_tokens",
+    )
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
         self.metrics = metrics
@@ -257,22 +271,29 @@ class RequestTracker:
         self.arrival = time.time()
         self.last_token: float | None = None
         self.num_tokens = 0
+        self.num_finished = 0  # samples counted in vllm:request_success
         self.done = False
 
-    def observe(self, output: Any) -> None:
-        num_tokens = 0
+    def observe(self, output: RequestOutput) -> None:
+        """One DELTA output: its new tokens (inter-token latency) and finished samples (success counts)."""
+        num_new = 0
         for completion in output.outputs:
-            num_tokens += len(completion.token_ids)
-        if num_tokens > self.num_tokens:
+            num_new += len(completion.token_ids)
+            if completion.finish_reason is not None:
+                self.num_finished += 1
+                counter = self.metrics.success.get(completion.finish_reason)
+                if counter is not None:
+                    counter.inc()
+        if num_new:
             now = time.time()
             if self.last_token is not None:
                 self.metrics.itl.observe(now - self.last_token)
             self.last_token = now
-            self.num_tokens = num_tokens
+            self.num_tokens += num_new
         if output.finished:
             self.finish(output)
 
-    def finish(self, output: Any) -> None:
+    def finish(self, output: RequestOutput) -> None:
         if self.done:
             return
         self.done = True
@@ -298,16 +319,12 @@ class RequestTracker:
         m.generation_tokens.observe(self.num_tokens)
         m.max_tokens.observe(self.max_tokens)
         m.params_n.observe(self.n)
-        for completion in output.outputs:
-            counter = m.success.get(completion.finish_reason or "abort")
-            if counter is not None:
-                counter.inc()
 
     def abort(self) -> None:
         """The client went away before the request finished."""
         if not self.done:
             self.done = True
-            self.metrics.success["abort"].inc(self.n)
+            self.metrics.success["abort"].inc(self.n - self.num_finished)
 
 
 def _attr(obj: Any, name: str) -> float | None:

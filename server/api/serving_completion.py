@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedserve.server.api.errors import APIError
 from pagedserve.server.api.protocol import CompletionRequest
-from pagedserve.server.api.serving_engine import (
-    SSE_DONE,
+from pagedserve.server.api.serving_base import (
+    ChoiceShaper,
     ClientDisconnected,
     EventStreamResponse,
     OpenAIServing,
     dumps,
-    merge_async_iterators,
     random_id,
-    sse,
     usage_dict,
 )
+from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+from pagedserve.server.engine.processor import PromptInput
 from starlette.requests import Request
 from starlette.responses import Response
-
-logger = logging.getLogger("pagedserve.api")
 
 
 class _Prompt:
@@ -40,7 +36,7 @@ class _Prompt:
             self._text = self.serving.tokenizer.decode(self.ids)
         return self._text
 
-    def engine_input(self) -> dict[str, Any]:
+    def engine_input(self) -> PromptInput:
         return {"prompt": self._text, "prompt_token_ids": self.ids}
 
 
@@ -51,19 +47,27 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix")
         prompts = await self._prompts(request)
-        streams = []
-        for prompt in prompts:
-            max_tokens = self.resolve_max_tokens(request.max_tokens, len(prompt.ids), "prompt")
-            params = self.sampling_params(request, max_tokens, request.logprobs)
-            tracker = self.metrics.track(len(prompt.ids), max_tokens, request.n)
-            streams.append(self.generate(prompt.engine_input(), params, tracker))
+        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        engine_streams = await self.add_requests([p.engine_input() for p in prompts], params, "prompt")
+        streams = [
+            self.observed(s, self.metrics.track(len(s.prompt_token_ids), s.max_tokens, request.n))
+            for s in engine_streams
+        ]
         request_id = f"cmpl-{random_id()}"
         created = int(time.time())
         headers = {"X-Request-Id": request_id}
         if request.stream:
-            return EventStreamResponse(
-                self._stream(streams, prompts, request, request_id, created), headers=headers
+            base = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+            }
+            num_prompt_tokens = sum(len(s.prompt_token_ids) for s in engine_streams)
+            chunks = self.stream_chunks(
+                streams, self._chunk_choice(prompts, request), base, num_prompt_tokens, request.stream_options
             )
+            return EventStreamResponse(chunks, headers=headers)
         try:
             finals = await self.final_outputs(raw_request, streams)
         except ClientDisconnected:
@@ -72,11 +76,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return Response(dumps(body), media_type="application/json", headers=headers)
 
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        """The batch's prompts; text is tokenized here (the engine checks every prompt)."""
         raw = request.prompt
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            raw = [raw]  # type: ignore[list-item]
-        if not raw:
-            raise APIError("prompt must not be empty.", 400, param="prompt")
+        if isinstance(raw, str) or not raw or isinstance(raw[0], int):
+            raw = [raw]  # type: ignore[list-item]  # one prompt; [] is one empty prompt, a 400
         truncate = request.truncate_prompt_tokens
         prompts = []
         for item in raw:
@@ -85,11 +88,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(_Prompt(self, item if truncate is None else None, ids))
             else:
                 ids = list(item)
-                self.check_token_ids(ids, "prompt")
                 prompts.append(_Prompt(self, None, ids[-truncate:] if truncate else ids))
         return prompts
 
-    def _logprobs(self, out: Any, prompt: _Prompt | None, k: int) -> dict[str, Any]:
+    def _logprobs(self, out: CompletionOutput, prompt: _Prompt | None, k: int) -> dict[str, Any]:
         """Logprobs of the output tokens, after the prompt's (null) ones when echoing."""
         if prompt is None:
             return self.completion_logprobs(out.token_ids, out.logprobs, k, 0)[0]
@@ -98,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _response(
         self,
-        finals: list[Any],
+        finals: list[RequestOutput],
         prompts: list[_Prompt],
         request: CompletionRequest,
         request_id: str,
@@ -132,82 +134,39 @@ class OpenAIServingCompletion(OpenAIServing):
             "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
         }
 
-    async def _stream(
-        self,
-        streams: list[AsyncIterator[Any]],
-        prompts: list[_Prompt],
-        request: CompletionRequest,
-        request_id: str,
-        created: int,
-    ) -> AsyncIterator[str]:
-        n = request.n
-        options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(include_usage and options and options.continuous_usage_stats)
-        k = request.logprobs
-        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        total = len(prompts) * n
-        text_len, token_len, offsets = [0] * total, [0] * total, [0] * total
-        started, done = [False] * total, [False] * total
-        completion_tokens = [0] * len(prompts)
-        cached_tokens = [0] * len(prompts)
-        prompt_tokens = sum(len(p.ids) for p in prompts)
-        merged = merge_async_iterators(*streams)
-        try:
-            async for p_index, output in merged:
-                cached_tokens[p_index] = output.num_cached_tokens
-                completion_tokens[p_index] = sum(len(o.token_ids) for o in output.outputs)
-                for out in output.outputs:
-                    i = p_index * n + out.index
-                    if done[i]:
-                        continue
-                    finish = out.finish_reason
-                    delta = out.text[text_len[i] :]
-                    echo = request.echo and not started[i]
-                    if not delta and finish is None and not echo:
-                        continue
-                    echo_logprobs = None
-                    if echo:
-                        prompt = prompts[p_index]
-                        delta = prompt.text + delta
-                        if k is not None:
-                            echo_logprobs, offsets[i] = self.completion_logprobs(prompt.ids, None, k, 0)
-                    logprobs = None
-                    if k is not None and out.logprobs is not None:
-                        start = token_len[i]
-                        logprobs, offsets[i] = self.completion_logprobs(
-                            out.token_ids[start:], out.logprobs[start:], k, offsets[i]
-                        )
-                        if echo_logprobs is not None:
-                            logprobs = _concat(echo_logprobs, logprobs)
-                    started[i] = True
-                    text_len[i], token_len[i] = len(out.text), len(out.token_ids)
-                    done[i] = finish is not None
-                    body = {
-                        **base,
-                        "choices": [
-                            {
-                                "index": i,
-                                "text": delta,
-                                "logprobs": logprobs,
-                                "finish_reason": finish,
-                                "stop_reason": out.stop_reason,
-                            }
-                        ],
-                    }
-                    if continuous:
-                        body["usage"] = usage_dict(prompt_tokens, sum(completion_tokens), sum(cached_tokens))
-                    yield sse(body)
-            if include_usage:
-                usage = usage_dict(prompt_tokens, sum(completion_tokens), sum(cached_tokens))
-                yield sse({**base, "choices": [], "usage": usage})
-        except Exception as exc:
-            if not isinstance(exc, APIError):
-                logger.exception("completion stream %s failed", request_id)
-            yield self.stream_error(exc)
-        finally:
-            await merged.aclose()  # `async for` leaves it open when this generator is closed mid-stream
-        yield SSE_DONE
+    def _chunk_choice(self, prompts: list[_Prompt], request: CompletionRequest) -> ChoiceShaper:
+        """A completion chunk's choice: the delta's text (after the prompt's, on a choice's first chunk
+        when echoing), with legacy logprobs whose text offsets run on across the choice's chunks."""
+        n, k = request.n, request.logprobs
+        started: set[int] = set()
+        offsets = [0] * (len(prompts) * n)
+
+        def shape(p_index: int, delta: CompletionOutput) -> dict[str, Any]:
+            i = p_index * n + delta.index
+            text = delta.text
+            echo_logprobs = None
+            if request.echo and i not in started:
+                prompt = prompts[p_index]
+                text = prompt.text + text
+                if k is not None:
+                    echo_logprobs, offsets[i] = self.completion_logprobs(prompt.ids, None, k, 0)
+            started.add(i)
+            logprobs = None
+            if k is not None and delta.logprobs is not None:
+                logprobs, offsets[i] = self.completion_logprobs(
+                    delta.token_ids, delta.logprobs, k, offsets[i]
+                )
+                if echo_logprobs is not None:
+                    logprobs = _concat(echo_logprobs, logprobs)
+            return {
+                "index": i,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
+
+        return shape
 
 
 def _concat(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, list[Any]]:

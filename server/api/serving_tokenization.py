@@ -10,7 +10,7 @@ from pagedserve.server.api.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from pagedserve.server.api.serving_engine import OpenAIServing
+from pagedserve.server.api.serving_base import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):

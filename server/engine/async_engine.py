@@ -1,7 +1,11 @@
-"""asyncio front of the engine: the step loop runs on its own thread so HTTP stays responsive.
+"""asyncio front of the engine (vLLM's AsyncLLM): the core steps on its own thread, everything that
+needs the tokenizer runs on the event loop.
 
-Requests reach the thread through a command queue (the engine's state is only ever touched there);
-outputs come back to each request's asyncio queue through ``call_soon_threadsafe``.
+Requests are checked on the loop (server/engine/processor.py) and reach the thread through a command
+queue; the core's state is only ever touched there. After each step the thread hands the whole batch of
+core outputs back with one ``call_soon_threadsafe``; the output processor turns it into RequestOutputs
+on the loop and puts each into its request's asyncio queue. A stream that is closed before its request
+finished aborts it, so its KV blocks return within one step.
 """
 
 from __future__ import annotations
@@ -12,54 +16,129 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pagedserve.server.config import EngineConfig
-from pagedserve.server.engine.llm_engine import (
-    EngineStats,
-    LLMEngine,
-    ParentRequest,
-    PromptInput,
-    StepError,
-)
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
+from pagedserve.server.engine.exceptions import EngineDeadError, StepError
 from pagedserve.server.engine.output import RequestOutput
+from pagedserve.server.engine.output_processor import OutputProcessor
+from pagedserve.server.engine.processor import (
+    ProcessedRequest,
+    Processor,
+    PromptInput,
+    load_tokenizer,
+    make_processor,
+)
 from pagedserve.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.server.config import EngineConfig
+    from pagedserve.server.engine.core import EngineCore
 
 logger = logging.getLogger("pagedserve.engine")
 
 LOG_INTERVAL_S = 10.0
+_END = None  # put in a request's queue: the stream ends without a final output (aborted)
 
 
-class EngineDeadError(RuntimeError):
-    pass
+class RequestStream:
+    """One request's outputs; ``aclose`` before the last one aborts the request."""
 
+    def __init__(self, engine: AsyncEngine, request: ProcessedRequest) -> None:
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.max_tokens = request.max_tokens
+        self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._engine = engine
+        self._done = False
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    def __aiter__(self) -> RequestStream:
+        return self
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _END:
+            self._finish(abort=False)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._finish(abort=False)
+            raise item
+        if item.finished:
+            self._finish(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        self._finish(abort=True)
+
+    def _finish(self, abort: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self.request_id, abort)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self.config = self.engine.config
-        self.tokenizer = self.engine.tokenizer
-        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+    """The real ``EngineClient`` (server/engine/protocol.py)."""
+
+    def __init__(self, core: EngineCore, tokenizer: Any, processor: Processor) -> None:
+        self.core = core
+        self._tokenizer = tokenizer
+        self.processor = processor
+        self.output_processor = OutputProcessor(tokenizer)
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
-        self._stats = self.engine.stats()
+        self._stats = core.stats()
         self._last_log = (time.monotonic(), 0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model (server/engine/core.py) and its tokenizer."""
+        from pagedserve.server.engine.core import EngineCore  # here: it imports torch and the model code
+
+        core = EngineCore(config)
+        tokenizer = load_tokenizer(config, core)
+        return cls(core, tokenizer, make_processor(core, tokenizer))
+
+    # ---- facts --------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return str(self.core.model_path)
+
+    @property
+    def served_model_name(self) -> str:
+        return str(self.core.config.served_model_name)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.processor.max_num_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._thread is None:
+            self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
 
@@ -80,73 +159,107 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # ---- requests -----------------------------------------------------------------------------------
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams
+    ) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
-        parent = self.engine.process_inputs(request_id, prompt, params)
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._send("add", parent)
-        finished = False
+        request = self.processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request)  # refuses a request_id in use
+        stream = self._streams[request_id] = RequestStream(self, request)
+        self._send("add", request.children)
+        return stream
+
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in stream:
+                yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send("abort", request_id)
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        stream = self._streams.get(request_id)
+        self._release(request_id, abort=True)
+        if stream is not None:
+            stream.queue.put_nowait(_END)
 
-    def _send(self, command: str, payload: object) -> None:
+    def _release(self, request_id: str, abort: bool) -> None:
+        """Forget a request's stream; ``abort``: stop it in the front end and the core too."""
+        self._streams.pop(request_id, None)
+        if abort:
+            core_ids = self.output_processor.abort_request(request_id)
+            if core_ids:
+                self._send("abort", core_ids)
+
+    def _send(self, command: str, payload: Any) -> None:
         self._commands.put((command, payload))
         self._wakeup.set()
+
+    # ---- on the event loop: one call per engine step ------------------------------------------------
+
+    def _on_step(self, core_outputs: list[EngineCoreOutput]) -> None:
+        try:
+            processed = self.output_processor.process_outputs(core_outputs)
+        except Exception as exc:  # a bug in the front end: fail the requests, never leave a stream waiting
+            logger.exception("processing the engine's outputs failed; failing all requests")
+            for stream in list(self._streams.values()):
+                self._release(stream.request_id, abort=True)
+                stream.queue.put_nowait(exc)
+            return
+        if processed.to_abort:
+            self._send("abort", processed.to_abort)
+        for output in processed.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(output)
+
+    def _on_step_failed(self, core_ids: list[str], exc: BaseException) -> None:
+        """The core aborted these samples; fail their whole requests (and only theirs)."""
+        parents = self.output_processor.parent_of
+        for request_id in sorted({parents[i] for i in core_ids if i in parents}):
+            stream = self._streams.get(request_id)
+            self._release(request_id, abort=True)  # the request's other samples too
+            if stream is not None:
+                stream.queue.put_nowait(exc)
 
     # ---- the engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        core = self.core
         while not self._stopping.is_set():
             self._drain_commands()
-            if not engine.has_unfinished():
-                self._stats = engine.stats()
+            if not core.has_unfinished():
+                self._stats = core.stats()
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
                 continue
             try:
-                outputs = engine.step()
+                core_outputs = core.step()
             except StepError as exc:
-                for request_id in exc.request_ids:
-                    self._fail(request_id, exc)
+                self._to_loop(self._on_step_failed, exc.request_ids, exc)
                 continue
             except Exception as exc:  # a bug outside the forward pass: fail everything, keep serving
                 logger.exception("engine step raised; aborting all requests")
-                for request_id in list(engine.parents):
-                    engine.abort_request(request_id)
-                    self._fail(request_id, exc)
+                request_ids = list(core.requests)
+                core.abort_requests(request_ids)
+                self._to_loop(self._on_step_failed, request_ids, exc)
                 continue
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
-            self._stats = engine.stats()
+            self._stats = core.stats()
+            if core_outputs:
+                self._to_loop(self._on_step, core_outputs)
             self._maybe_log()
+
+    def _to_loop(self, callback: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop has closed: nobody is left to tell
+            self._stopping.set()
 
     def _drain_commands(self) -> None:
         while True:
@@ -155,19 +268,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command == "add":
-                assert isinstance(payload, ParentRequest)
-                try:
-                    self.engine.add(payload)
-                except ValueError as exc:
-                    self._fail(payload.request_id, exc)
+                for request in payload:
+                    self.core.add_request(request)
             elif command == "abort":
-                assert isinstance(payload, str)
-                self.engine.abort_request(payload)
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(exc)
+                self.core.abort_requests(payload)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -181,6 +285,10 @@ class AsyncEngine:
         logger.info(
             "engine: generation %.1f tokens/s, running %d, waiting %d, KV usage %.1f%%, "
             "prefix hit rate %.1f%%",
-            rate, stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
+            rate,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_cache_usage,
+            100 * hit_rate,
         )
         self._last_log = (now, stats.generation_tokens)

@@ -1,52 +1,80 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, one per sequence, run by the front end
+(server/engine/output_processor.py), never on the engine's step thread.
 
-Each step decodes only a short window of tokens: the text of ``tokens[prefix_offset:]`` minus the text
-of ``tokens[prefix_offset:read_offset]`` is what the new tokens added. Decoding from the same start in
+Each token decodes only a short window: the text of ``tokens[prefix_offset:]`` minus the text of
+``tokens[prefix_offset:read_offset]`` is what the new tokens added. Decoding from the same start in
 both keeps tokenizers that treat a leading space specially honest, and a trailing U+FFFD means a UTF-8
 character is split across tokens, so the text waits for the next one.
 """
 
 from __future__ import annotations
 
-from pagedserve.server.request import Request
-from transformers import PreTrainedTokenizerBase
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.server.request import token_slice
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output token, for correct spacing
 
 
-def init_offsets(request: Request) -> None:
-    request.read_offset = request.num_prompt_tokens
-    request.prefix_offset = max(request.read_offset - CONTEXT_TOKENS, 0)
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase (or anything with its ``decode``)
+    prompt_token_ids: list[int]
+    skip_special_tokens: bool
+    stop_strings: list[str]
+    include_stop_str_in_output: bool
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
+    def __post_init__(self) -> None:
+        self.read_offset = len(self.prompt_token_ids)
+        self.prefix_offset = max(self.read_offset - CONTEXT_TOKENS, 0)
 
-def decode_new_text(tokenizer: PreTrainedTokenizerBase, request: Request, upto: int) -> str:
-    """Text added by tokens ``[read_offset, upto)`` of the request's tokens; advances the offsets."""
-    skip = request.params.skip_special_tokens
-    prefix_text = tokenizer.decode(request.token_slice(request.prefix_offset, request.read_offset),
-                                   skip_special_tokens=skip)
-    full_text = tokenizer.decode(request.token_slice(request.prefix_offset, upto), skip_special_tokens=skip)
-    if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-        return ""
-    request.prefix_offset = request.read_offset
-    request.read_offset = upto
-    return full_text[len(prefix_text):]
+    def add_token(self, token_id: int, decode: bool = True) -> str | None:
+        """Append one token and its text; returns the stop string the text now ends at, if any.
 
+        ``decode`` False keeps the token out of the text (a stop token, unless include_stop_str_in_output).
+        """
+        self.output_token_ids.append(token_id)
+        if not decode:
+            return None
+        new_text = self._decode_new_text()
+        self.text += new_text
+        return self._find_stop_string(len(new_text))
 
-def find_stop_string(request: Request, new_text_len: int) -> str | None:
-    """The first stop string that appears in the text's new tail; cuts ``output_text`` at it."""
-    stops = request.params.stop_strings
-    if not stops or not new_text_len:
-        return None
-    text = request.output_text
-    longest = max(len(s) for s in stops)
-    start = max(len(text) - new_text_len - longest + 1, 0)
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        at = text.find(stop, start)
-        if at != -1 and (best is None or at < best[0]):
-            best = (at, stop)
-    if best is None:
-        return None
-    at, stop = best
-    request.output_text = text[:at + len(stop)] if request.params.include_stop_str_in_output else text[:at]
-    return stop
+    def _slice(self, start: int, end: int) -> list[int]:
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
+
+    def _decode_new_text(self) -> str:
+        upto = len(self.prompt_token_ids) + len(self.output_token_ids)
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self._slice(self.prefix_offset, self.read_offset),
+                                            skip_special_tokens=skip)
+        full_text = self.tokenizer.decode(self._slice(self.prefix_offset, upto), skip_special_tokens=skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = upto
+        return full_text[len(prefix_text):]
+
+    def _find_stop_string(self, new_text_len: int) -> str | None:
+        """The first stop string that appears in the text's new tail; cuts ``text`` at it."""
+        stops = self.stop_strings
+        if not stops or not new_text_len:
+            return None
+        text = self.text
+        longest = max(len(s) for s in stops)
+        start = max(len(text) - new_text_len - longest + 1, 0)
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            at = text.find(stop, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        self.text = text[:at + len(stop)] if self.include_stop_str_in_output else text[:at]
+        return stop

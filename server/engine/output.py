@@ -1,4 +1,9 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes, cumulative per request."""
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes.
+
+Whether an output holds everything so far, only what is new, or arrives once at the end is the
+request's ``SamplingParams.output_kind`` (server/sampling_params.py); ``RequestOutput.add`` folds
+delta outputs back into a whole one.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # always the running total, also in delta outputs
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
@@ -44,3 +49,22 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+    def add(self, delta: RequestOutput) -> None:
+        """Append a later delta output of the same request to this one (text, tokens and logprobs)."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                old = by_index[new.index] = CompletionOutput(new.index, "", [], None, None)
+                self.outputs.append(old)
+                self.outputs.sort(key=lambda c: c.index)
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.finished = delta.finished
+        self.metrics = delta.metrics

@@ -13,7 +13,7 @@ from pagedserve import EngineConfig, SamplingParams, default_model
 
 @pytest.fixture
 async def engine() -> AsyncIterator[AsyncEngine]:
-    engine = AsyncEngine(EngineConfig(model=str(default_model())))
+    engine = AsyncEngine.from_config(EngineConfig(model=str(default_model())))
     await engine.start()
     yield engine
     await engine.shutdown(grace_seconds=0)

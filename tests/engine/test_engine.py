@@ -67,10 +67,11 @@ def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
-    pool = engine.kv.pool
+    core = engine.core
+    pool = core.kv.pool
     assert pool.num_free_blocks == pool.num_blocks, "blocks still referenced"
-    assert not engine.parents and not engine.scheduler.has_unfinished()
-    assert not engine.kv.req_blocks
+    assert not engine.output_processor.requests and not core.scheduler.has_unfinished()
+    assert not core.kv.req_blocks
 
 
 def test_greedy_batch_matches_hf(llm: LLM, prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:
@@ -79,7 +80,7 @@ def test_greedy_batch_matches_hf(llm: LLM, prompts: list[list[int]], hf_greedy: 
 
 
 def test_greedy_one_by_one_matches_hf(llm: LLM, prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:
-    llm.engine.kv.pool.reset_prefix_cache()
+    llm.engine.core.kv.pool.reset_prefix_cache()
     for ids, expected in zip(prompts, hf_greedy, strict=True):
         assert run_greedy(llm, [ids]) == [expected]
     assert_no_leak(llm.engine)
@@ -100,7 +101,7 @@ def test_greedy_under_scheduling_regimes(
     llm = LLM(model_path, **engine_args)
     assert run_greedy(llm, prompts) == hf_greedy
     if "num_gpu_blocks_override" in engine_args:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     assert_no_leak(llm.engine)
 
 
@@ -110,14 +111,14 @@ def test_greedy_with_the_pure_torch_backend(
     """The references alone (the oracle of the C++ and Triton kernels) give the same tokens too."""
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
     llm = LLM(model_path)
-    assert llm.engine.runner.model.attention_layers()[0].kernels is reference
+    assert llm.engine.core.runner.model.attention_layers()[0].kernels is reference
     assert run_greedy(llm, prompts) == hf_greedy
 
 
 @pytest.fixture
 def computed_tokens(llm: LLM) -> Iterator[list[int]]:
     """Tokens the model actually runs per step, recorded around the runner."""
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     original = runner.execute
     counts: list[int] = []
 
@@ -144,11 +145,11 @@ def test_shared_prefix_is_served_from_cache(llm: LLM, prompts: list[list[int]],
 
 def test_parallel_samples_share_prompt_blocks(llm: LLM, prompts: list[list[int]]) -> None:
     engine = llm.engine
-    engine.kv.pool.reset_prefix_cache()
+    engine.core.kv.pool.reset_prefix_cache()
     prompt = prompts[-1]
     engine.add_request("shared", {"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=4, seed=1))
     engine.step()
-    block_sets = [set(engine.kv.block_ids(f"shared#{i}")) for i in range(3)]
+    block_sets = [set(engine.core.kv.block_ids(f"shared#{i}")) for i in range(3)]
     shared = block_sets[0] & block_sets[1] & block_sets[2]
     assert len(shared) == len(prompt) // 16
     while engine.has_unfinished():
@@ -234,18 +235,18 @@ def test_abort_mid_run_frees_blocks(llm: LLM, prompts: list[list[int]]) -> None:
 
 def test_failed_step_aborts_its_batch_and_engine_goes_on(llm: LLM) -> None:
     engine = llm.engine
-    original = engine.runner.execute
+    original = engine.core.runner.execute
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("injected failure")
 
     engine.add_request("doomed", "A doomed request", SamplingParams(max_tokens=4))
-    engine.runner.execute = broken  # type: ignore[method-assign]
+    engine.core.runner.execute = broken  # type: ignore[method-assign]
     try:
         with pytest.raises(StepError) as info:
             engine.step()
     finally:
-        engine.runner.execute = original  # type: ignore[method-assign]
+        engine.core.runner.execute = original  # type: ignore[method-assign]
     assert info.value.request_ids == ["doomed"]
     assert_no_leak(engine)
     (ok,) = llm.generate("Hello again", SamplingParams(max_tokens=3))

@@ -12,7 +12,7 @@ BLOCK = 4
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id=request_id, parent_id=request_id, index=0, prompt=None,
+    return Request(request_id=request_id,
                    prompt_token_ids=tokens, params=SamplingParams(), max_tokens=8,
                    eos_token_ids=frozenset(), metrics=RequestMetrics(0.0))
 

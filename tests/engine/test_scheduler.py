@@ -12,7 +12,7 @@ BLOCK = 4
 
 
 def make_request(request_id: str, num_prompt: int, first_token: int = 0) -> Request:
-    return Request(request_id=request_id, parent_id=request_id, index=0, prompt=None,
+    return Request(request_id=request_id,
                    prompt_token_ids=list(range(first_token, first_token + num_prompt)),
                    params=SamplingParams(), max_tokens=100, eos_token_ids=frozenset(),
                    metrics=RequestMetrics(0.0))

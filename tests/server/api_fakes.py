@@ -1,20 +1,22 @@
-"""A stand-in for AsyncEngine (the engine contract, no model) so the HTTP layer is tested in-process, fast.
+"""The real AsyncEngine over a scripted core (no model), so the HTTP layer is tested in-process, fast.
 
-The tokenizer is byte-level: token id = byte + 3, ids 0..2 are <pad>, <s>, </s>. The engine "generates" a
-fixed script, one token per sequence per step: sequence i of a request emits SCRIPT rotated by i, so n > 1
-gives distinct choices, and stop strings, max_tokens, logprobs and abort behave as the contract says.
+The tokenizer is byte-level: token id = byte + 3, ids 0..2 are <pad>, <s>, </s>. The core "generates" a
+fixed script, one token per sample per step: sample i of a request emits SCRIPT rotated by i, so n > 1
+gives distinct choices. Everything else (request checks, detokenization, stop strings, logprob strings,
+output kinds, aborts) is the engine's own front end (server/engine/).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from pagedserve.server.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedserve.server.sampling_params import SamplingParams
+from pagedserve.server.engine.async_engine import AsyncEngine
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
+from pagedserve.server.engine.processor import Processor
+from pagedserve.server.request import Request
+from pagedserve.server.worker.sampler import SampledToken
 
 SCRIPT = "Paris is the capital of France. "
 OFFSET = 3
@@ -58,18 +60,14 @@ class FakeTokenizer:
         return text
 
 
-@dataclass
-class _Seq:
-    index: int
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+class ScriptedCore:
+    """Stands in for server/engine/core.py's EngineCore: the same methods, a script instead of a model.
 
+    Each step emits the next script character of every running sample (sample i starts i characters
+    in); max_tokens and max_model_len finish a sample, EOS never comes.
+    """
 
-class FakeEngine:
-    def __init__(self, max_model_len: int = 128, step_delay: float = 0.0, num_blocks: int = 64) -> None:
+    def __init__(self, max_model_len: int, step_delay: float, num_blocks: int) -> None:
         self.config = SimpleNamespace(
             max_model_len=max_model_len,
             max_num_seqs=16,
@@ -80,31 +78,72 @@ class FakeEngine:
             kv_cache_memory_bytes=None,
             num_gpu_blocks_override=None,
             block_size=16,
+            attention_backend="scripted",  # what /version reports: no kernels run here
         )
-        self.tokenizer = FakeTokenizer()
+        self.model_path = ""
+        self.vocab_size = len(FakeTokenizer())
         self.step_delay = step_delay
         self.num_blocks = num_blocks
-        self.running: set[str] = set()
+        self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
         self.finished: list[str] = []
-        self.started = False
-        self.shutdown_called = False
         self.prompt_tokens = self.generation_tokens = 0
 
-    async def start(self) -> None:
-        self.started = True
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.prompt_tokens += request.num_prompt_tokens
 
-    async def shutdown(self, grace_seconds: float = 30.0) -> None:
-        self.shutdown_called = True
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if self.requests.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
 
-    def is_healthy(self) -> bool:
-        return self.started and not self.shutdown_called
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
 
-    def stats(self) -> Any:
-        return SimpleNamespace(
-            num_running=len(self.running),
+    def step(self) -> list[EngineCoreOutput]:
+        time.sleep(self.step_delay)
+        outputs = [self._advance(r, time.time()) for r in list(self.requests.values())]
+        for output in outputs:
+            if output.finish_reason is not None:
+                del self.requests[output.request_id]
+                self.finished.append(output.request_id)
+        return outputs
+
+    def _advance(self, request: Request, now: float) -> EngineCoreOutput:
+        index = int(request.request_id.rsplit("#", 1)[1]) if "#" in request.request_id else 0
+        script = SCRIPT[index % len(SCRIPT) :] + SCRIPT[: index % len(SCRIPT)]
+        char = script[request.num_output_tokens % len(script)]
+        token = ord(char) + OFFSET
+        request.output_token_ids.append(token)
+        self.generation_tokens += 1
+        metrics = request.metrics
+        metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        finish = None
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            finish, metrics.finished_time = "length", now
+        logprobs = None
+        k = request.params.logprobs
+        if k is not None:
+            alternatives = [ord("a") + rank + OFFSET for rank in range(2, k + 1)]
+            logprobs = [
+                SampledToken(
+                    token,
+                    -0.25,
+                    1,
+                    [token, *alternatives][:k],
+                    [-0.25, *(-1.0 * rank for rank in range(2, k + 1))][:k],
+                )
+            ]
+        return EngineCoreOutput(request.request_id, [token], logprobs, finish, None, 0, metrics)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.requests),
             num_waiting=0,
-            kv_cache_usage=len(self.running) / self.num_blocks,
+            kv_cache_usage=len(self.requests) / self.num_blocks,
             prefix_cache_queries=10,
             prefix_cache_hits=4,
             num_preemptions=0,
@@ -114,83 +153,39 @@ class FakeEngine:
             block_size=16,
         )
 
-    async def abort(self, request_id: str) -> None:
-        self.running.discard(request_id)
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str):
-        ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if any(t < 0 or t >= len(self.tokenizer) for t in ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {len(self.tokenizer)})")
-        max_tokens = params.max_tokens or self.config.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.config.max_model_len:
-            raise ValueError(f"max_model_len is {self.config.max_model_len}")
-        metrics = RequestMetrics(arrival_time=time.time())
-        seqs = [_Seq(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
-        self.running.add(request_id)
-        self.prompt_tokens += len(ids)
-        finished = False
-        try:
-            while True:
-                await asyncio.sleep(self.step_delay)
-                now = time.time()
-                metrics.first_scheduled_time = metrics.first_scheduled_time or now
-                for seq in seqs:
-                    if seq.finish_reason is None:
-                        self._step(seq, params, max_tokens)
-                metrics.first_token_time = metrics.first_token_time or now
-                metrics.last_token_time = now
-                finished = all(s.finish_reason is not None for s in seqs)
-                if finished:
-                    metrics.finished_time = now
-                    self.running.discard(request_id)
-                    self.finished.append(request_id)
-                text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-                yield RequestOutput(
-                    request_id=request_id,
-                    prompt=text,
-                    prompt_token_ids=ids,
-                    num_cached_tokens=0,
-                    finished=finished,
-                    metrics=metrics,
-                    outputs=[
-                        CompletionOutput(
-                            s.index,
-                            s.text,
-                            list(s.tokens),
-                            None,
-                            list(s.logprobs) if s.logprobs is not None else None,
-                            s.finish_reason,
-                            s.stop_reason,
-                        )
-                        for s in seqs
-                    ],
-                )
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.running.discard(request_id)
-                self.aborted.append(request_id)
+class FakeEngine(AsyncEngine):
+    """The real AsyncEngine (an EngineClient) over a ScriptedCore: only the model is fake."""
 
-    def _step(self, seq: _Seq, params: SamplingParams, max_tokens: int) -> None:
-        script = SCRIPT[seq.index % len(SCRIPT) :] + SCRIPT[: seq.index % len(SCRIPT)]
-        char = script[len(seq.tokens) % len(script)]
-        token = ord(char) + OFFSET
-        seq.tokens.append(token)
-        self.generation_tokens += 1
-        if seq.logprobs is not None:
-            step = {token: Logprob(-0.25, 1, char)}
-            for rank in range(2, (params.logprobs or 0) + 1):
-                step.setdefault(ord("a") + rank + OFFSET, Logprob(-1.0 * rank, rank, chr(ord("a") + rank)))
-            seq.logprobs.append(step)
-        seq.text += char
-        for stop in params.stop_strings:
-            at = seq.text.find(stop)
-            if at >= 0:
-                seq.text = seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return
-        if len(seq.tokens) >= max_tokens:
-            seq.finish_reason = "length"
+    def __init__(self, max_model_len: int = 128, step_delay: float = 0.0, num_blocks: int = 64) -> None:
+        core = ScriptedCore(max_model_len, step_delay, num_blocks)
+        tokenizer = FakeTokenizer()
+        processor = Processor(
+            tokenizer,
+            core.vocab_size,
+            max_model_len,
+            core.config.max_num_seqs,
+            frozenset({tokenizer.eos_token_id}),
+        )
+        super().__init__(core, tokenizer, processor)  # type: ignore[arg-type]
+        self.scripted = core
+
+    @property
+    def step_delay(self) -> float:
+        return self.scripted.step_delay
+
+    @step_delay.setter
+    def step_delay(self, seconds: float) -> None:
+        self.scripted.step_delay = seconds
+
+    @property
+    def running(self) -> set[str]:
+        return set(self.scripted.requests)
+
+    @property
+    def aborted(self) -> list[str]:
+        return self.scripted.aborted
+
+    @property
+    def finished(self) -> list[str]:
+        return self.scripted.finished

@@ -29,8 +29,10 @@ MODEL = "fake-model"
 
 
 @pytest.fixture
-async def engine() -> FakeEngine:
-    return FakeEngine()
+async def engine() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine()
+    yield engine
+    await engine.shutdown(grace_seconds=0)
 
 
 async def _client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:
@@ -322,6 +324,7 @@ async def _call_and_disconnect(
     """Drive the ASGI app directly: the client disconnects after the first body chunk, or after 50 ms."""
     app = build_app(engine, ServerSettings())
     await engine.start()
+    num_aborted = len(engine.aborted)
     gone = asyncio.Event()
     body_sent = False
 
@@ -354,8 +357,8 @@ async def _call_and_disconnect(
         "server": ("127.0.0.1", 80),
     }
     await asyncio.wait_for(app(scope, receive, send), 5)
-    for _ in range(100):
-        if engine.aborted:
+    for _ in range(100):  # the abort reaches the engine thread within a step
+        if len(engine.aborted) > num_aborted:
             break
         await asyncio.sleep(0.01)
 

@@ -1,29 +1,41 @@
-"""What the chat and completion endpoints share: model check, prompt building, limits, sampling
-parameters, the per-request engine stream, server-sent events, logprobs and usage.
+"""The base of the chat, completion and tokenization handlers: what they share.
 
-One engine request per prompt, one asyncio stream per engine request (``AsyncEngine.generate``). A client
-that goes away ends its stream: the streaming response watches for the disconnect and cancels, a
-non-streamed request is raced against the disconnect, and the engine stream, once closed or cancelled,
-aborts its request, so its KV blocks return within one engine step.
+Model check, prompt rendering, sampling parameters, the one place an engine refusal
+(``InvalidRequestError``) becomes an OpenAI 400, the per-request engine streams, the one streaming
+generator (chat and completions differ only in how a choice is shaped), logprobs and usage.
+
+One engine request per prompt, each asked for DELTA outputs (``EngineClient.add_request``); a
+non-streamed response is the deltas folded together. A client that goes away ends its stream: the
+streaming response watches for the disconnect and cancels, a non-streamed request is raced against the
+disconnect, and the engine stream, once closed, aborts its request, so its KV blocks return within one
+engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from pagedserve.server.api.errors import APIError, error_body
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
-from pagedserve.server.api.protocol import ChatCompletionMessageParam
-from pagedserve.server.sampling_params import SamplingParams
+from pagedserve.server.api.protocol import ChatCompletionMessageParam, StreamOptions
+from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+from pagedserve.server.engine.processor import PromptInput
+from pagedserve.server.engine.protocol import EngineClient, RequestStream
+from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
+# Shapes one delta of one choice into a chunk's choice: (index of the prompt, the delta).
+ChoiceShaper = Callable[[int, CompletionOutput], dict[str, Any]]
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
 _TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
 # apply_chat_template's own parameters: chat_template_kwargs must not override them.
@@ -158,16 +170,14 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
 
 
 class OpenAIServing:
-    """Base of the chat and completion handlers."""
+    """Base of the chat, completion and tokenization handlers."""
 
-    def __init__(self, engine: Any, model_names: list[str], metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, model_names: list[str], metrics: ServerMetrics) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_names = model_names
         self.model_name = model_names[0]
-        self.max_model_len: int = engine.config.max_model_len
-        self.max_num_seqs: int = engine.config.max_num_seqs
-        self.vocab_size = len(self.tokenizer)
+        self.max_model_len = engine.max_model_len
         self.metrics = metrics
 
     # ---- checks -------------------------------------------------------------------------------------
@@ -177,6 +187,7 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
     def check_request(self, request: Any) -> None:
+        """What only the OpenAI API has; the engine checks the prompt, limits and parameters itself."""
         if not self.engine.is_healthy():
             raise APIError("The engine is not running.", 503)
         if request.use_beam_search:
@@ -185,42 +196,12 @@ class OpenAIServing:
             raise APIError("best_of must equal n: best-of sampling is not supported.", 400, param="best_of")
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options can only be set when stream is true.", 400, param="stream_options")
-        if request.n > self.max_num_seqs:
-            raise APIError(
-                f"n must be at most max_num_seqs ({self.max_num_seqs}), got {request.n}.", 400, param="n"
-            )
 
-    def check_token_ids(self, ids: Any, param: str) -> None:
-        """Token ids outside the tokenizer's vocabulary are a 400 (as in vLLM), before any stream starts."""
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise APIError(f"{param} must be token ids in [0, {self.vocab_size}).", 400, param=param)
-
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
-        """vLLM's rule: no max_tokens means up to max_model_len; over the limit is a 400 naming it."""
-        limit = self.max_model_len
-        if prompt_len == 0:
-            raise APIError("The prompt must not be empty.", 400, param=prompt_param)
-        if prompt_len >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens, which leaves no room for a completion. Please reduce the length "
-                "of the input.",
-                400,
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if requested is None:
-            return limit - prompt_len
-        if prompt_len + requested > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} in the "
-                "completion). Please reduce the length of the input or of max_tokens.",
-                400,
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested
+    @staticmethod
+    def invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
+        """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request."""
+        param = prompt_param if exc.param == "prompt" else exc.param
+        return APIError(exc.message, 400, param=param, code=exc.code)
 
     # ---- prompts ------------------------------------------------------------------------------------
 
@@ -273,7 +254,7 @@ class OpenAIServing:
 
     # ---- sampling -----------------------------------------------------------------------------------
 
-    def sampling_params(self, request: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": request.n,
             "max_tokens": max_tokens,
@@ -285,6 +266,7 @@ class OpenAIServing:
             "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "seed": request.seed,
+            "output_kind": RequestOutputKind.DELTA,
         }
         for name in (
             "temperature",
@@ -307,51 +289,99 @@ class OpenAIServing:
                 raise APIError(
                     "logit_bias keys must be token ids (integers).", 400, param="logit_bias"
                 ) from exc
-            self.check_token_ids(kwargs["logit_bias"], "logit_bias")
-        if request.stop_token_ids:
-            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
         try:
             return SamplingParams(**kwargs)
-        except ValueError as exc:
-            message = str(exc)
-            raise APIError(message, 400, param=message.split(" ", 1)[0]) from exc
+        except InvalidRequestError as exc:
+            raise self.invalid_request(exc, "prompt") from exc
 
-    # ---- the engine stream --------------------------------------------------------------------------
+    # ---- the engine streams -------------------------------------------------------------------------
 
-    async def generate(
-        self, prompt: dict[str, Any], params: SamplingParams, tracker: RequestTracker
-    ) -> AsyncIterator[Any]:
-        """The engine's stream for one prompt, observed for metrics; closing it aborts the request.
+    async def add_requests(
+        self, prompts: list[PromptInput], params: SamplingParams, prompt_param: str
+    ) -> list[RequestStream]:
+        """One engine request per prompt, all checked before any response starts; a refusal is a 400
+        (and closes, so aborts, the requests of this call already added)."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                streams.append(await self.engine.add_request(random_id(), prompt, params))
+        except InvalidRequestError as exc:
+            for stream in streams:
+                await stream.aclose()
+            raise self.invalid_request(exc, prompt_param) from exc
+        return streams
 
-        A ValueError before the first output (the engine's own validation) becomes a 400.
-        """
-        stream = self.engine.generate(prompt, params, random_id())
-        started = finished = False
+    async def observed(self, stream: RequestStream, tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
+        """The engine's stream for one prompt, observed for metrics; closing it aborts the request."""
+        finished = False
         try:
             async for output in stream:
-                started = True
                 tracker.observe(output)
                 finished = output.finished
                 yield output
-        except ValueError as exc:
-            if started:
-                raise
-            raise APIError(str(exc), 400) from exc
         finally:
-            if started and not finished:
+            if not finished:
                 tracker.abort()
             await stream.aclose()
 
-    async def final_outputs(self, request: Request, streams: list[AsyncIterator[Any]]) -> list[Any]:
-        """The last (cumulative) output of each stream; cancelled if the client disconnects."""
+    async def final_outputs(self, request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[Any]:
+        """Each stream's deltas folded into one whole output; cancelled if the client disconnects."""
 
         async def collect() -> list[Any]:
-            finals: list[Any] = [None] * len(streams)
+            finals: list[RequestOutput | None] = [None] * len(streams)
             async for index, output in merge_async_iterators(*streams):
-                finals[index] = output
+                final = finals[index]
+                if final is None:
+                    finals[index] = output
+                else:
+                    final.add(output)
+            if any(final is None for final in finals):  # aborted without an output: the engine shut down
+                raise APIError("The engine stopped before the request finished.", 503)
             return finals
 
         return await run_unless_disconnected(request, collect())
+
+    async def stream_chunks(
+        self,
+        streams: list[AsyncIterator[RequestOutput]],
+        shape: ChoiceShaper,
+        base: dict[str, Any],
+        num_prompt_tokens: int,
+        options: StreamOptions | None,
+        opening: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[str]:
+        """The server-sent events of one response: ``opening`` choices, a chunk per choice delta, the
+        usage chunk if asked for, an error event if the engine fails mid-stream, then [DONE]."""
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(include_usage and options and options.continuous_usage_stats)
+        completion_tokens = 0
+        cached_tokens = [0] * len(streams)
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body: dict[str, Any] = {**base, "choices": choices}
+            if continuous:
+                body["usage"] = usage_dict(num_prompt_tokens, completion_tokens, sum(cached_tokens))
+            return sse(body)
+
+        merged = merge_async_iterators(*streams)
+        try:
+            for choice in opening or []:
+                yield chunk([choice])
+            async for p_index, output in merged:
+                cached_tokens[p_index] = output.num_cached_tokens
+                completion_tokens += sum(len(o.token_ids) for o in output.outputs)
+                for delta in output.outputs:
+                    yield chunk([shape(p_index, delta)])
+            if include_usage:
+                usage = usage_dict(num_prompt_tokens, completion_tokens, sum(cached_tokens))
+                yield sse({**base, "choices": [], "usage": usage})
+        except Exception as exc:
+            if not isinstance(exc, APIError):
+                logger.exception("stream %s failed", base.get("id"))
+            yield self.stream_error(exc)
+        finally:
+            await merged.aclose()  # `async for` leaves it open when this generator is closed mid-stream
+        yield SSE_DONE
 
     # ---- logprobs -----------------------------------------------------------------------------------
 

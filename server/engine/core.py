@@ -1,0 +1,238 @@
+"""The engine core: schedule, run the model, sample. Token ids in, token ids out; no tokenizer here.
+
+One ``step()`` schedules a batch, runs one forward pass, appends the sampled tokens and applies the
+stops that are decided on token ids (EOS, stop_token_ids, max_tokens, max_model_len), then frees the
+blocks of finished requests. What each request gained comes back as an ``EngineCoreOutput``; text,
+stop strings and logprob strings are made from those by server/engine/output_processor.py, off the
+step thread (vLLM V1's EngineCore / front-end split).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pagedserve.server.backend import select_backend
+from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from pagedserve.server.core.kv_cache_manager import KVCacheManager
+from pagedserve.server.core.scheduler import Scheduler
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
+from pagedserve.server.engine.exceptions import StepError
+from pagedserve.server.request import Request, RequestStatus
+from pagedserve.server.worker.model_runner import ModelRunner
+from pagedserve.server.worker.sampler import SampledToken
+
+logger = logging.getLogger("pagedserve.engine")
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        torch.manual_seed(config.seed)
+        if config.served_model_name is None:
+            config.served_model_name = config.model or DEFAULT_SERVED_NAME
+        self._load_model_and_runner()
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            hash_seed=f"{self.model_path}:{self.dtype}",
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            self.model_path,
+            self.device,
+            self.dtype,
+            self.backend.name,
+            self.num_blocks,
+            config.block_size,
+            config.max_model_len,
+        )
+
+    # ---- set-up -------------------------------------------------------------------------------------
+
+    def _load_model_and_runner(self) -> None:
+        """Weights, the KV cache size that fits beside them, max_model_len, and the model runner."""
+        from pagedserve.server.loader import load_model, resolve_model
+
+        config = self.config
+        self.model_path = Path(resolve_model(config.model))
+        self.backend = select_backend(self.device, self.dtype, config.attention_backend)
+        config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
+        self.model, self.hf_config = load_model(
+            self.model_path, self.dtype, self.device, backend=self.backend
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        num_kv_heads, head_dim = _kv_shape(self.hf_config)
+        num_layers = len(self.model.attention_layers())
+        block_bytes = ModelRunner.bytes_per_block(
+            num_layers, config.block_size, num_kv_heads, head_dim, self.dtype
+        )
+        self.num_blocks = self._num_blocks(block_bytes)
+        self._resolve_max_model_len()
+        self.runner = ModelRunner(
+            self.model,
+            self.backend,
+            self.num_blocks,
+            config.block_size,
+            num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len or 0,
+            enforce_eager=config.enforce_eager,
+        )
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._gpu_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes is below one block ({block_bytes} bytes)")
+        return int(num_blocks)
+
+    def _gpu_kv_budget(self) -> int:
+        """What is left of ``gpu_memory_utilization`` after the weights and a profiled largest step."""
+        from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
+
+        peak = profile_activation_peak(self.model, self.config.batched_tokens, self.config.max_num_seqs)
+        return kv_cache_budget(self.device, self.config.gpu_memory_utilization, peak)
+
+    def _resolve_max_model_len(self) -> None:
+        cfg = self.config
+        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        capacity = self.num_blocks * cfg.block_size
+        if cfg.max_model_len is None:
+            cfg.max_model_len = min(model_limit, capacity)
+        elif cfg.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings {model_limit}"
+            )
+        elif cfg.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} does not fit the KV cache ({capacity} "
+                "tokens); raise kv_cache_memory_bytes or lower max_model_len"
+            )
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request made by server/engine/processor.py (already validated)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.seed is not None and not request.params.greedy:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(request.seed)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests (those still known) and return their blocks now."""
+        now = time.time()
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                request.metrics.finished_time = now
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in plan.scheduled}
+        try:
+            sampled = self.runner.execute(plan.scheduled, block_ids)
+        except Exception as exc:
+            raise self._fail_step([s.request for s in plan.scheduled], exc) from exc
+        for item in plan.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        now = time.time()
+        outputs = []
+        for request, token in sampled:
+            self._append_token(request, token, now)
+            if request.finished:
+                self.scheduler.finish(request, request.status)
+                del self.requests[request.request_id]
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token.token_id],
+                    new_logprobs=[token] if request.params.logprobs is not None else None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    metrics=request.metrics,
+                )
+            )
+        return outputs
+
+    def _fail_step(self, requests: list[Request], exc: BaseException) -> StepError:
+        logger.exception("engine step failed; aborting %d requests", len(requests))
+        request_ids = [r.request_id for r in requests]
+        self.abort_requests(request_ids)
+        # Blocks registered for this step may hold half-written K/V: forget every cached prefix.
+        self.kv.pool.reset_prefix_cache()
+        return StepError(request_ids, exc)
+
+    def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
+        if request.num_output_tokens == 0:
+            request.metrics.first_token_time = now
+            self.prompt_tokens += request.num_prompt_tokens
+        request.metrics.last_token_time = now
+        self.generation_tokens += 1
+        token_id = token.token_id
+        request.output_token_ids.append(token_id)
+        if token_id in request.eos_token_ids or token_id in request.params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token_id in request.params.stop_token_ids:
+                request.stop_reason = token_id
+        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= (
+            self.config.max_model_len or 0
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+        if request.finished:
+            request.metrics.finished_time = now
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_gpu_blocks=self.num_blocks,
+            block_size=self.config.block_size,
+        )
+
+
+def _kv_shape(hf_config: Any) -> tuple[int, int]:
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+    return num_kv_heads, head_dim

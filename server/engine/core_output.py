@@ -1,0 +1,41 @@
+"""What the engine core (server/engine/core.py) hands its front end: per-step outputs and its statistics.
+
+Plain data, no torch: the API and the in-process tests import these without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedserve.server.engine.output import RequestMetrics
+
+if TYPE_CHECKING:
+    from pagedserve.server.worker.sampler import SampledToken
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_gpu_blocks: int
+    block_size: int
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one core request gained in one step: raw ids and numbers, no strings."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None  # one per new token when the request asked for logprobs
+    finish_reason: str | None  # "stop" (EOS or a stop_token_id), "length"
+    stop_reason: int | None  # the stop_token_id that finished it
+    num_cached_tokens: int
+    metrics: RequestMetrics

@@ -1,0 +1,244 @@
+"""The front end's half of every step: core token ids in, RequestOutputs out (vLLM's OutputProcessor).
+
+Per request it owns what needs the tokenizer or the caller's view: incremental detokenization
+(server/engine/detokenizer.py), stop strings, logprob strings (``Logprob.decoded_token``), the
+cumulative logprob, gathering the n samples of one request (each is its own core request) and the
+shape of each output (``RequestOutputKind``). The async engine runs it on the event loop, the sync
+engine right after each step; either way the step thread never calls the tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.server.engine.core_output import EngineCoreOutput
+from pagedserve.server.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.server.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.server.engine.processor import ProcessedRequest
+from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.server.worker.sampler import SampledToken
+
+
+@dataclass
+class SampleState:
+    """One of a request's n samples, as the caller will see it."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # How far DELTA outputs have gone: characters of text, tokens (and their logprobs).
+    sent_chars: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, SampleState]  # by core request id
+    num_cached_tokens: int = 0
+    changed: set[int] = field(default_factory=set)  # sample indexes with news since the last output
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # Core requests that a stop string finished: abort them in the core so their blocks return.
+    to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.parent_of: dict[str, str] = {}  # core request id -> the caller's request id
+        self._token_text: dict[int, str] = {}  # decode([token_id]) for logprobs, cached
+
+    def add_request(self, request: ProcessedRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        params = request.params
+        samples = {}
+        for index, child in enumerate(request.children):
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop_strings,
+                params.include_stop_str_in_output,
+            )
+            samples[child.request_id] = SampleState(
+                index, detokenizer, child.metrics, [] if params.logprobs is not None else None
+            )
+            self.parent_of[child.request_id] = request.request_id
+        self.requests[request.request_id] = RequestState(
+            request.request_id, request.prompt, request.prompt_token_ids, params, samples
+        )
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its core request ids (the caller aborts those in the core)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for core_id in state.samples:
+            self.parent_of.pop(core_id, None)
+        return list(state.samples)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for core_output in core_outputs:
+            parent_id = self.parent_of.get(core_output.request_id)
+            if parent_id is None:
+                continue  # aborted, or stopped by a stop string, since the core ran this step
+            state = self.requests[parent_id]
+            sample = state.samples[core_output.request_id]
+            if sample.finished:
+                continue  # a stop string ended it; the core ran it once more before the abort arrived
+            if sample.index == 0:
+                state.num_cached_tokens = core_output.num_cached_tokens
+            if self._update(sample, core_output, state.params) and core_output.finish_reason is None:
+                to_abort.append(core_output.request_id)
+            state.changed.add(sample.index)
+            touched[parent_id] = state
+        outputs = []
+        for state in touched.values():
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.abort_request(state.request_id)
+        return ProcessedOutputs(outputs, to_abort)
+
+    # ---- one sample ---------------------------------------------------------------------------------
+
+    def _update(self, sample: SampleState, core_output: EngineCoreOutput, params: SamplingParams) -> bool:
+        """Apply the step's tokens to one sample; True when a stop string finished it."""
+        finish, stop_reason = core_output.finish_reason, core_output.stop_reason
+        stopped_by_token = finish == "stop"
+        for i, token_id in enumerate(core_output.new_token_ids):
+            if core_output.new_logprobs is not None:
+                self._record_logprobs(sample, core_output.new_logprobs[i])
+            last = i == len(core_output.new_token_ids) - 1
+            decode = not (last and stopped_by_token) or params.include_stop_str_in_output
+            stop_string = sample.detokenizer.add_token(token_id, decode)
+            if stop_string is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop_string
+                if core_output.finish_reason is None:
+                    sample.metrics.finished_time = core_output.metrics.last_token_time
+                return True
+        sample.finish_reason, sample.stop_reason = finish, stop_reason
+        return False
+
+    def _record_logprobs(self, sample: SampleState, token: SampledToken) -> None:
+        assert sample.logprobs is not None and token.logprob is not None
+        text = self._decode_one
+        entry = {token.token_id: Logprob(token.logprob, token.rank, text(token.token_id))}
+        alternatives = zip(token.top_ids or [], token.top_logprobs or [], strict=True)
+        for rank, (token_id, logprob) in enumerate(alternatives, start=1):
+            if token_id not in entry:
+                entry[token_id] = Logprob(logprob, rank, text(token_id))
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += token.logprob
+
+    def _decode_one(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # ---- outputs ------------------------------------------------------------------------------------
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        samples = sorted(state.samples.values(), key=lambda s: s.index)
+        if kind is RequestOutputKind.FINAL_ONLY:
+            if not state.finished:
+                return None
+            completions = [self._cumulative(s, state.params) for s in samples]
+        elif kind is RequestOutputKind.CUMULATIVE:
+            completions = [self._cumulative(s, state.params) for s in samples]
+        else:
+            completions = [
+                c
+                for s in samples
+                if s.index in state.changed
+                if (c := self._delta(s, state.params)) is not None
+            ]
+            if not completions and not state.finished:
+                return None
+        state.changed.clear()
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            num_cached_tokens=state.num_cached_tokens,
+            outputs=completions,
+            finished=state.finished,
+            metrics=samples[0].metrics,
+        )
+
+    @staticmethod
+    def _visible_chars(sample: SampleState, params: SamplingParams) -> int:
+        """Characters of text that may be shown: a possible stop-string start is held back until decided."""
+        length = len(sample.detokenizer.text)
+        if sample.finished:
+            return length
+        return max(length - params.stop_buffer_length, 0)
+
+    def _cumulative(self, sample: SampleState, params: SamplingParams) -> CompletionOutput:
+        detokenizer = sample.detokenizer
+        return CompletionOutput(
+            index=sample.index,
+            text=detokenizer.text[: self._visible_chars(sample, params)],
+            token_ids=list(detokenizer.output_token_ids),
+            cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
+            logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+    def _delta(self, sample: SampleState, params: SamplingParams) -> CompletionOutput | None:
+        """What is new since this sample's last delta; None while nothing new can be shown.
+
+        Tokens whose text is still held back (a stop-string prefix, half a UTF-8 character) wait for
+        the delta that shows their text, so every delta a client sees carries text or a finish.
+        """
+        visible = self._visible_chars(sample, params)
+        if visible == sample.sent_chars and not sample.finished:
+            return None
+        detokenizer = sample.detokenizer
+        num_tokens = len(detokenizer.output_token_ids)
+        delta = CompletionOutput(
+            index=sample.index,
+            text=detokenizer.text[sample.sent_chars : visible],
+            token_ids=detokenizer.output_token_ids[sample.sent_tokens : num_tokens],
+            cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
+            logprobs=sample.logprobs[sample.sent_tokens : num_tokens]
+            if sample.logprobs is not None
+            else None,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+        sample.sent_chars, sample.sent_tokens = visible, num_tokens
+        return delta

@@ -1,0 +1,164 @@
+"""Every check a request passes before it runs, in one place (vLLM's Processor).
+
+``Processor.process`` tokenizes the prompt input, checks it against the model (empty prompt, token ids
+in the vocabulary, length vs max_model_len, n vs max_num_seqs), resolves max_tokens by vLLM's rule
+and makes one core Request per sample. A refusal is an ``InvalidRequestError`` naming the field: the
+offline LLM lets it raise, the server turns it into an OpenAI 400 (server/api/serving_base.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.request import Request
+from pagedserve.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.server.config import EngineConfig
+    from pagedserve.server.engine.core import EngineCore
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class ProcessedRequest:
+    """One caller's request, checked: its prompt, and one core Request per sample (n of them)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    children: list[Request]
+
+
+class Processor:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = eos_token_ids
+
+    def process(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
+    ) -> ProcessedRequest:
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
+        self._check_token_ids("logit_bias", params.logit_bias or {})
+        self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}.", param="n"
+            )
+        arrival = arrival_time if arrival_time is not None else time.time()
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        children = [
+            Request(
+                request_id=child_id(request_id, index, params.n),
+                prompt_token_ids=token_ids,
+                params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=eos,
+                metrics=RequestMetrics(arrival_time=arrival),
+                seed=params.seed + index if params.seed is not None else None,
+            )
+            for index in range(params.n)
+        ]
+        return ProcessedRequest(request_id, text, token_ids, params, max_tokens, children)
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self._tokenize(str(prompt["prompt"]))
+            raise InvalidRequestError("prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        return None, [int(t) for t in prompt]
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        limit = self.max_model_len
+        if not token_ids:
+            raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}).", param="prompt")
+        if len(token_ids) >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {limit} tokens. However, your "
+                f"request has {len(token_ids)} input tokens, which leaves no room for a completion. Please "
+                "reduce the length of the input.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """vLLM's rule: no max_tokens means up to max_model_len; over the limit is an error naming it."""
+        limit = self.max_model_len
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {limit} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in "
+                "max_tokens). Please reduce the length of the input or of max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def _check_token_ids(self, param: str, ids: Any) -> None:
+        if any(int(t) < 0 or int(t) >= self.vocab_size for t in ids):
+            raise InvalidRequestError(f"{param} must be token ids in [0, {self.vocab_size}).", param=param)
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    """The core request id of sample ``index``: the caller's id itself when there is one sample."""
+    return f"{request_id}#{index}" if n > 1 else request_id
+
+
+def eos_token_ids(model_path: Path, tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's EOS and generation_config.json's eos_token_id(s): any of them ends a sequence."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = model_path / "generation_config.json"
+    if generation_config.exists():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def load_tokenizer(config: EngineConfig, core: EngineCore) -> Any:
+    """The tokenizer the front end uses: ``config.tokenizer`` or the model's own."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(config.tokenizer or core.model_path))
+
+
+def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
+    """The request checks for this core's model and its resolved limits."""
+    config = core.config
+    assert config.max_model_len is not None  # resolved by the core
+    return Processor(
+        tokenizer,
+        core.vocab_size,
+        config.max_model_len,
+        config.max_num_seqs,
+        eos_token_ids(core.model_path, tokenizer),
+    )

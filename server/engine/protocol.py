@@ -1,0 +1,75 @@
+"""``EngineClient``: all that the OpenAI layer (server/api/) may ask of an engine.
+
+server/engine/async_engine.py implements it over the real model, tests/server/api_fakes.py over a
+scripted core; the API's handlers are typed with this protocol and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedserve.server.engine.core_output import EngineStats
+from pagedserve.server.engine.output import RequestOutput
+from pagedserve.server.engine.processor import PromptInput
+from pagedserve.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # config.py imports torch; the API layer does not need it at run time
+    from pagedserve.server.config import EngineConfig
+
+
+class RequestStream(Protocol):
+    """One request's outputs, as its ``output_kind`` asks; closing it early aborts the request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # resolved against max_model_len
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    @property
+    def config(self) -> EngineConfig: ...  # resolved: max_model_len and served_model_name are set
+
+    @property
+    def tokenizer(self) -> Any: ...  # a transformers tokenizer
+
+    @property
+    def model_path(self) -> str: ...
+
+    @property
+    def served_model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    async def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams
+    ) -> RequestStream:
+        """Check the request (InvalidRequestError, naming the field) and queue it; its output stream."""
+        ...
+
+    def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and its stream in one async generator (vLLM's ``AsyncLLM.generate``)."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, grace_seconds: float = 30.0) -> None: ...
