@@ -140,25 +140,30 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatTemplateFields(OpenAIBaseModel):
+    """A conversation and how to render it with the chat template: /v1/chat/completions and /tokenize."""
 
     messages: list[ChatCompletionMessageParam] = Field(..., min_length=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI: max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
-    parallel_tool_calls: bool | None = None
     # vLLM extras
-    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
+    """POST /v1/chat/completions."""
+
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI: max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = None
+    echo: bool = False  # vLLM's
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -275,16 +280,9 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(ChatTemplateFields):
     model: str | None = None
-    messages: list[ChatCompletionMessageParam] = Field(..., min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
     return_token_strs: bool | None = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

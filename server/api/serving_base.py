@@ -16,26 +16,45 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedserve.server.api.errors import APIError, error_body
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
-from pagedserve.server.api.protocol import ChatCompletionMessageParam, StreamOptions
+from pagedserve.server.api.protocol import ChatCompletionMessageParam, ChatTemplateFields, StreamOptions
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.processor import PromptInput
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
 # Shapes one delta of one choice into a chunk's choice: (index of the prompt, the delta).
 ChoiceShaper = Callable[[int, CompletionOutput], dict[str, Any]]
+
+
+
+@dataclass
+class ResponseForm:
+    """What tells a chat response from a completion one; everything else about a response is shared."""
+
+    id_prefix: str  # "chatcmpl" | "cmpl"
+    object: str  # of the whole response: "chat.completion" | "text_completion"
+    chunk_object: str  # of each streamed chunk
+    stream: bool
+    num_prompt_tokens: int
+    chunk_choice: ChoiceShaper  # a streamed delta -> a chunk's choice
+    choices: Callable[[list[RequestOutput]], list[dict[str, Any]]]  # folded outputs -> the body's choices
+    opening: list[dict[str, Any]] | None = None  # choices streamed before any delta (chat's role)
+
+
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
 _TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
 # apply_chat_template's own parameters: chat_template_kwargs must not override them.
@@ -215,33 +234,25 @@ class OpenAIServing:
             ids = ids[-truncate:]
         return ids
 
-    def apply_chat_template(
-        self,
-        messages: list[ChatCompletionMessageParam],
-        *,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> tuple[str, list[dict[str, Any]]]:
-        """The rendered prompt and the conversation as plain dicts."""
-        if add_generation_prompt and continue_final_message:
+    def apply_chat_template(self, request: ChatTemplateFields) -> tuple[str, list[dict[str, Any]]]:
+        """The request's conversation rendered with the chat template, and the conversation as plain dicts."""
+        if request.add_generation_prompt and request.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true.",
                 400,
                 param="continue_final_message",
             )
-        conversation = [_message_dict(m) for m in messages]
-        extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        conversation = [_message_dict(m) for m in request.messages]
+        kwargs = request.chat_template_kwargs or {}
+        extra = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
         try:
             prompt = self.tokenizer.apply_chat_template(
                 conversation,
-                tools=tools,
-                chat_template=chat_template,
+                tools=request.tools,
+                chat_template=request.chat_template,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
                 **extra,
             )
         except Exception as exc:  # template errors are the request's: a template given or messages it rejects
@@ -340,6 +351,37 @@ class OpenAIServing:
             return finals
 
         return await run_unless_disconnected(request, collect())
+
+    async def respond(
+        self,
+        raw_request: Request,
+        streams: list[AsyncIterator[RequestOutput]],
+        form: ResponseForm,
+        stream_options: StreamOptions | None,
+    ) -> Response:
+        """The response to one generation request: server-sent chunks when ``form.stream``, else one
+        JSON body whose choices ``form.choices`` makes from the folded outputs (499 if the client left)."""
+        request_id = f"{form.id_prefix}-{random_id()}"
+        created = int(time.time())
+        headers = {"X-Request-Id": request_id}
+        envelope = {"id": request_id, "object": form.object, "created": created, "model": self.model_name}
+        if form.stream:
+            base = {**envelope, "object": form.chunk_object}
+            chunks = self.stream_chunks(
+                streams, form.chunk_choice, base, form.num_prompt_tokens, stream_options, form.opening
+            )
+            return EventStreamResponse(chunks, headers=headers)
+        try:
+            finals = await self.final_outputs(raw_request, streams)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        usage = usage_dict(
+            sum(len(f.prompt_token_ids) for f in finals),
+            sum(len(o.token_ids) for f in finals for o in f.outputs),
+            sum(f.num_cached_tokens for f in finals),
+        )
+        body = {**envelope, "choices": form.choices(finals), "usage": usage}
+        return Response(dumps(body), media_type="application/json", headers=headers)
 
     async def stream_chunks(
         self,

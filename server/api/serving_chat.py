@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pagedserve.server.api.errors import APIError
 from pagedserve.server.api.protocol import ChatCompletionRequest
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,
-    ClientDisconnected,
-    EventStreamResponse,
     OpenAIServing,
-    dumps,
-    random_id,
-    usage_dict,
+    ResponseForm,
 )
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.processor import PromptInput
@@ -40,14 +35,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", 400, param="top_logprobs")
 
-        prompt_text, conversation = self.apply_chat_template(
-            request.messages,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs,
-            tools=request.tools,
-        )
+        prompt_text, conversation = self.apply_chat_template(request)
         prompt_ids = await self.tokenize(
             prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
         )
@@ -63,44 +51,29 @@ class OpenAIServingChat(OpenAIServing):
         if request.echo and conversation and conversation[-1]["role"] == ROLE:
             echo = conversation[-1]["content"] or ""
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
-        stream = self.observed(engine_stream, tracker)
-        request_id = f"chatcmpl-{random_id()}"
-        created = int(time.time())
-        headers = {"X-Request-Id": request_id}
-        if request.stream:
-            base = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-            }
-            opening = [
-                {
-                    "index": i,
-                    "delta": {"role": ROLE, "content": echo},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(request.n)
-            ]
-            chunks = self.stream_chunks(
-                [stream], self._chunk_choice(request), base, len(prompt_ids), request.stream_options, opening
-            )
-            return EventStreamResponse(chunks, headers=headers)
-        try:
-            (final,) = await self.final_outputs(raw_request, [stream])
-        except ClientDisconnected:
-            return Response(status_code=499)
-        body = self._response(final, request, request_id, created, echo)
-        return Response(dumps(body), media_type="application/json", headers=headers)
+        opening = [
+            {"index": i, "delta": {"role": ROLE, "content": echo}, "logprobs": None, "finish_reason": None}
+            for i in range(request.n)
+        ]
+        form = ResponseForm(
+            id_prefix="chatcmpl",
+            object="chat.completion",
+            chunk_object="chat.completion.chunk",
+            stream=request.stream,
+            num_prompt_tokens=len(prompt_ids),
+            chunk_choice=self._chunk_choice(request),
+            choices=lambda finals: self._choices(finals[0], request, echo),
+            opening=opening,
+        )
+        return await self.respond(
+            raw_request, [self.observed(engine_stream, tracker)], form, request.stream_options
+        )
 
-    def _response(
-        self, final: RequestOutput, request: ChatCompletionRequest, request_id: str, created: int, echo: str
-    ) -> dict[str, Any]:
+    def _choices(
+        self, final: RequestOutput, request: ChatCompletionRequest, echo: str
+    ) -> list[dict[str, Any]]:
         choices = []
-        completion_tokens = 0
         for out in final.outputs:
-            completion_tokens += len(out.token_ids)
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 logprobs = self.chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
@@ -113,14 +86,7 @@ class OpenAIServingChat(OpenAIServing):
                     "stop_reason": out.stop_reason,
                 }
             )
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage_dict(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
-        }
+        return choices
 
     def _chunk_choice(self, request: ChatCompletionRequest) -> ChoiceShaper:
         """A chat chunk's choice: the delta's text as `delta.content`, with its tokens' logprobs."""

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pagedserve.server.api.errors import APIError
 from pagedserve.server.api.protocol import CompletionRequest
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,
-    ClientDisconnected,
-    EventStreamResponse,
     OpenAIServing,
-    dumps,
-    random_id,
-    usage_dict,
+    ResponseForm,
 )
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.processor import PromptInput
@@ -53,27 +48,16 @@ class OpenAIServingCompletion(OpenAIServing):
             self.observed(s, self.metrics.track(len(s.prompt_token_ids), s.max_tokens, request.n))
             for s in engine_streams
         ]
-        request_id = f"cmpl-{random_id()}"
-        created = int(time.time())
-        headers = {"X-Request-Id": request_id}
-        if request.stream:
-            base = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-            }
-            num_prompt_tokens = sum(len(s.prompt_token_ids) for s in engine_streams)
-            chunks = self.stream_chunks(
-                streams, self._chunk_choice(prompts, request), base, num_prompt_tokens, request.stream_options
-            )
-            return EventStreamResponse(chunks, headers=headers)
-        try:
-            finals = await self.final_outputs(raw_request, streams)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        body = self._response(finals, prompts, request, request_id, created)
-        return Response(dumps(body), media_type="application/json", headers=headers)
+        form = ResponseForm(
+            id_prefix="cmpl",
+            object="text_completion",
+            chunk_object="text_completion",
+            stream=request.stream,
+            num_prompt_tokens=sum(len(s.prompt_token_ids) for s in engine_streams),
+            chunk_choice=self._chunk_choice(prompts, request),
+            choices=lambda finals: self._choices(finals, prompts, request),
+        )
+        return await self.respond(raw_request, streams, form, request.stream_options)
 
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
         """The batch's prompts; text is tokenized here (the engine checks every prompt)."""
@@ -98,21 +82,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_part, offset = self.completion_logprobs(prompt.ids, None, k, 0)
         return _concat(prompt_part, self.completion_logprobs(out.token_ids, out.logprobs, k, offset)[0])
 
-    def _response(
-        self,
-        finals: list[RequestOutput],
-        prompts: list[_Prompt],
-        request: CompletionRequest,
-        request_id: str,
-        created: int,
-    ) -> dict[str, Any]:
+    def _choices(
+        self, finals: list[RequestOutput], prompts: list[_Prompt], request: CompletionRequest
+    ) -> list[dict[str, Any]]:
         choices = []
-        prompt_tokens = completion_tokens = cached_tokens = 0
         for p_index, (final, prompt) in enumerate(zip(finals, prompts, strict=True)):
-            prompt_tokens += len(final.prompt_token_ids)
-            cached_tokens += final.num_cached_tokens
             for out in final.outputs:
-                completion_tokens += len(out.token_ids)
                 logprobs = None
                 if request.logprobs is not None and out.logprobs is not None:
                     logprobs = self._logprobs(out, prompt if request.echo else None, request.logprobs)
@@ -125,14 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         "stop_reason": out.stop_reason,
                     }
                 )
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage_dict(prompt_tokens, completion_tokens, cached_tokens),
-        }
+        return choices
 
     def _chunk_choice(self, prompts: list[_Prompt], request: CompletionRequest) -> ChoiceShaper:
         """A completion chunk's choice: the delta's text (after the prompt's, on a choice's first chunk

@@ -19,14 +19,7 @@ class OpenAIServingTokenization(OpenAIServing):
     ) -> TokenizeResponse:
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text, _ = self.apply_chat_template(
-                request.messages,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs,
-                tools=request.tools,
-            )
+            text, _ = self.apply_chat_template(request)
         else:
             text = request.prompt
         ids = await self.tokenize(text, request.add_special_tokens)
