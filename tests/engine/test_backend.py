@@ -66,7 +66,9 @@ def test_decode_graphs_refuse_a_backend_without_them() -> None:
 def engine():
     from pagedserve.server.engine.async_engine import AsyncEngine
 
-    return AsyncEngine(EngineConfig(device="cpu", attention_backend="torch", kv_cache_memory_bytes=1 << 24))
+    return AsyncEngine.from_config(
+        EngineConfig(device="cpu", attention_backend="torch", kv_cache_memory_bytes=1 << 24)
+    )
 
 
 async def test_version_names_the_backend(engine) -> None:
@@ -83,5 +85,5 @@ def test_start_up_log_names_the_backend(caplog: pytest.LogCaptureFixture) -> Non
 
     with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory_bytes=1 << 24))
-    assert engine.model.attention_layers()[0].kernels is cpu  # the model runs the chosen kernels
+    assert engine.core.model.attention_layers()[0].kernels is cpu  # the model runs the chosen kernels
     assert any("engine ready" in r.message and "backend=cpu" in r.message for r in caplog.records)
