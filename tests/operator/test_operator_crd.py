@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from operator_examples import design_example
 from pagedserve.operator.spec import ModelDeploymentSpec, parse_spec
 from pydantic import ValidationError
 
@@ -18,36 +19,7 @@ CRD = load_crd()
 (VERSION,) = CRD["spec"]["versions"]
 SCHEMA = CRDSchema(CRD)
 
-# A full ModelDeployment: every field of the spec set (the design example the operator was built from).
-EXAMPLE = {
-    "apiVersion": "pagedserve.io/v1alpha1",
-    "kind": "ModelDeployment",
-    "metadata": {"name": "llama-8b", "namespace": "ml"},
-    "spec": {
-        "model": "meta-llama/Llama-3.1-8B-Instruct",
-        "servedModelName": "llama-8b",
-        "replicas": 2,
-        "image": "registry.example/pagedserve:0.1.0",
-        "resources": {"gpus": 1, "gpuResourceName": "nvidia.com/gpu", "cpu": "8", "memory": "32Gi"},
-        "engine": {
-            "maxModelLen": 8192,
-            "blockSize": 16,
-            "gpuMemoryUtilization": 0.9,
-            "maxNumSeqs": 256,
-            "dtype": "bfloat16",
-            "extraArgs": [],
-        },
-        "router": {"replicas": 2, "strategy": "prefix-hash", "meanLoadFactor": 1.25},
-        "modelCache": {"storageClassName": "standard", "size": "50Gi"},
-        "hfTokenSecret": {"name": "hf-token", "key": "token"},
-        "apiKeySecret": {"name": "llm-api-key", "key": "key"},
-        "autoscaling": {"minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 5},
-        "nodeSelector": {},
-        "tolerations": [],
-        "podAnnotations": {},
-        "env": [],
-    },
-}
+EXAMPLE = design_example()
 
 
 def with_spec(**changes: Any) -> dict[str, Any]:

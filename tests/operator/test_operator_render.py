@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import pytest
+from operator_examples import design_example
 from pagedserve.operator import render
 from pagedserve.operator.resources import HASH_ANNOTATION, spec_hash
 from pydantic import ValidationError
@@ -27,29 +28,7 @@ def md(name: str = "llama-8b", namespace: str = "ml", **spec: Any) -> dict[str, 
 
 SPECS: dict[str, dict[str, Any]] = {
     "defaults": md(),
-    "design-example": md(
-        servedModelName="llama-8b",
-        replicas=2,
-        image="registry.example/pagedserve:0.1.0",
-        resources={"gpus": 1, "gpuResourceName": "nvidia.com/gpu", "cpu": "8", "memory": "32Gi"},
-        engine={
-            "maxModelLen": 8192,
-            "blockSize": 16,
-            "gpuMemoryUtilization": 0.9,
-            "maxNumSeqs": 256,
-            "dtype": "bfloat16",
-            "extraArgs": [],
-        },
-        router={"replicas": 2, "strategy": "prefix-hash", "meanLoadFactor": 1.25},
-        modelCache={"storageClassName": "standard", "size": "50Gi"},
-        hfTokenSecret={"name": "hf-token", "key": "token"},
-        apiKeySecret={"name": "llm-api-key", "key": "key"},
-        autoscaling={"minReplicas": 1, "maxReplicas": 8, "targetWaitingRequests": 5},
-        nodeSelector={},
-        tolerations=[],
-        podAnnotations={},
-        env=[],
-    ),
+    "design-example": design_example(uid=UID, generation=1),
     "gpus": md(
         resources={
             "gpus": 4,
