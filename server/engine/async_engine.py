@@ -269,7 +269,11 @@ class AsyncEngine:
                 return
             if command == "add":
                 for request in payload:
-                    self.core.add_request(request)
+                    try:
+                        self.core.add_request(request)
+                    except Exception as exc:  # the front end checked it; fail the request, never the loop
+                        logger.exception("the engine core refused request %s", request.request_id)
+                        self._to_loop(self._on_step_failed, [request.request_id], exc)
             elif command == "abort":
                 self.core.abort_requests(payload)
 

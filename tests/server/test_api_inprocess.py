@@ -23,6 +23,7 @@ from pagedserve.server.api.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
+from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from pydantic import ValidationError
 
 MODEL = "fake-model"
@@ -372,3 +373,27 @@ async def test_client_disconnect_aborts(engine: FakeEngine, stream: bool) -> Non
     payload = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": stream}
     await _call_and_disconnect(engine, "/v1/chat/completions", payload, after_first_chunk=stream)
     assert len(engine.aborted) == 2 and not engine.running and not engine.finished
+
+
+
+async def test_a_request_the_core_refuses_fails_alone(engine: FakeEngine) -> None:
+    """An exception from the core's add_request (server/engine/async_engine.py) fails that request's
+    stream; the engine loop lives on and serves the next request."""
+    real_add = engine.scripted.add_request
+    refused: list[str] = []
+
+    def add_once_refused(request: Any) -> None:
+        if not refused:
+            refused.append(request.request_id)
+            raise RuntimeError("refused by the core")
+        real_add(request)
+
+    engine.scripted.add_request = add_once_refused  # type: ignore[method-assign]
+    await engine.start()
+    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
+    with pytest.raises(RuntimeError, match="refused by the core"):
+        async for _ in engine.generate("Hi", params, "first"):
+            pass
+    assert refused == ["first"] and engine.is_healthy()
+    outputs = [o async for o in engine.generate("Hi", params, "second")]
+    assert outputs[-1].finished and outputs[-1].outputs[0].text == SCRIPT[:3]
