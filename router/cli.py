@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.25,
         help="a replica whose load exceeds this x the mean load is passed over (bounded loads)",
     )
+    g.add_argument(
+        "--min-load-cap",
+        type=float,
+        default=4.0,
+        help="a replica is never passed over below this load (in-flight requests), however low the mean: "
+        "keeps prefixes on their replicas when there are hundreds of them",
+    )
     g.add_argument("--index-capacity", type=int, default=100_000, help="block hashes remembered per replica")
     g.add_argument("--virtual-nodes", type=int, default=160, help="points per replica on the hash ring")
     g.add_argument(
@@ -122,6 +129,7 @@ def config_from_args(args: argparse.Namespace):
         block_size=args.block_size,
         strategy=args.strategy,
         mean_load_factor=args.mean_load_factor,
+        min_load_cap=args.min_load_cap,
         index_capacity=args.index_capacity,
         virtual_nodes=args.virtual_nodes,
         hash_key_blocks=args.hash_key_blocks,

@@ -78,6 +78,7 @@ class RouterConfig:
     block_size: int = 16
     strategy: str = "prefix-hash"
     mean_load_factor: float = 1.25
+    min_load_cap: float = 4.0
     index_capacity: int = 100_000
     virtual_nodes: int = 160
     hash_key_blocks: int = 4
@@ -100,6 +101,8 @@ class RouterConfig:
             raise ValueError("--block-size must be positive")
         if self.mean_load_factor < 1.0:
             raise ValueError("--mean-load-factor must be >= 1.0")
+        if self.min_load_cap < 0:
+            raise ValueError("--min-load-cap must be >= 0")
         if self.max_retries < 0:
             raise ValueError("--max-retries must be >= 0")
         if self.index_capacity <= 0:
@@ -145,6 +148,7 @@ class RouterApp:
         self.balancer = Balancer(
             strategy=config.strategy,
             mean_load_factor=config.mean_load_factor,
+            min_load_cap=config.min_load_cap,
             index_capacity=config.index_capacity,
             virtual_nodes=config.virtual_nodes,
             hash_key_blocks=config.hash_key_blocks,
