@@ -17,6 +17,7 @@ import logging
 import os
 
 from pagedserve.router.balancer import STRATEGIES
+from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES
 
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -78,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-name", default=None, help="seeds the block hash chain (default: --tokenizer, else '')"
     )
     g.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
+    g.add_argument(
+        "--tokenizer-cache-mib",
+        type=int,
+        default=DEFAULT_SEGMENT_CACHE_BYTES >> 20,
+        help="memory for the token ids of prompt segments already tokenized (system prompts, ...), in MiB",
+    )
     g.add_argument("--strategy", default="prefix-hash", choices=STRATEGIES)
     g.add_argument(
         "--mean-load-factor",
@@ -127,6 +134,7 @@ def config_from_args(args: argparse.Namespace):
         tokenizer=args.tokenizer,
         model_name=args.model_name if args.model_name is not None else (args.tokenizer or ""),
         block_size=args.block_size,
+        segment_cache_bytes=args.tokenizer_cache_mib << 20,
         strategy=args.strategy,
         mean_load_factor=args.mean_load_factor,
         min_load_cap=args.min_load_cap,
