@@ -79,6 +79,7 @@ class RouterMetrics:
             self.decisions.labels(reason)
         self._decision_children = {reason: self.decisions.labels(reason) for reason in REASONS}
         self._request_children: dict[tuple[str, str], object] = {}
+        self._retry_children: dict[tuple[str, str], object] = {}
         self._in_flight_children: dict[str, object] = {}
 
     # Cached label children: `labels()` costs a lock and a dict build per call.
@@ -95,6 +96,13 @@ class RouterMetrics:
             child = self._request_children[key] = self.requests.labels(backend, status)
         child.inc()
 
+    def retry(self, backend: str, reason: str) -> None:
+        key = (backend, reason)
+        child = self._retry_children.get(key)
+        if child is None:
+            child = self._retry_children[key] = self.retries.labels(backend, reason)
+        child.inc()
+
     def in_flight_child(self, backend: str):
         child = self._in_flight_children.get(backend)
         if child is None:
@@ -102,11 +110,20 @@ class RouterMetrics:
         return child
 
     def forget_backend(self, backend: str) -> None:
-        """Drop the per-backend gauges of a backend that is gone for good (counters stay)."""
+        """Drop every series of a backend that has left discovery: pods come and go with new addresses,
+        and series kept for each would grow the exposition without bound."""
         for gauge in (self.in_flight, self.backend_ready, self.backend_load):
             with contextlib.suppress(KeyError):
                 gauge.remove(backend)
         self._in_flight_children.pop(backend, None)
+        for counter, children in (
+            (self.requests, self._request_children),
+            (self.retries, self._retry_children),
+        ):
+            for key in [key for key in children if key[0] == backend]:
+                del children[key]
+                with contextlib.suppress(KeyError):
+                    counter.remove(*key)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
