@@ -12,10 +12,16 @@ chunk has arrived, so a replica that dies during prefill is retried too. After t
 ends the stream: with an OpenAI-style error event for ``text/event-stream``, else by closing the
 connection.
 
+A client that goes away, at any stage after its body arrived, cancels the forwarding, which closes the
+upstream connection: the replica aborts the request (``RouterApp.proxy``). A client that leaves while
+sending its body is never forwarded. A replica's answer is remembered for prefix affinity only when it is a
+success (2xx): a refused or failed request cached nothing there.
+
 The router's own errors use the engine server's OpenAI error JSON (server/api/errors.py), so a client
 sees one error shape whether the router or a replica refused it.
 Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready),
-``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators).
+``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators),
+``/openapi.json`` (router/openapi.py).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pagedserve.router.balancer import Balancer
 from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES, PromptHasher
 from pagedserve.router.metrics import RouterMetrics
+from pagedserve.router.openapi import openapi_json
 from pagedserve.router.upstream import (
     UpstreamConnectError,
     UpstreamDisconnect,
@@ -311,6 +318,8 @@ class RouterApp:
                 await _send_simple(send, 200, self.metrics.render(), self.metrics.content_type.encode())
             elif path == "/backends":
                 await _send_simple(send, 200, json.dumps(self.backends_snapshot()).encode())
+            elif path == "/openapi.json":
+                await _send_simple(send, 200, openapi_json())
             else:
                 await _send_simple(send, 404, error_json(f"route {path} not found", 404))
         elif kind == "lifespan":
