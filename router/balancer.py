@@ -4,9 +4,17 @@ tested directly.
 
 Load of a replica = the router's own in-flight requests to it + its scraped ``vllm:num_requests_waiting``
 + its scraped ``vllm:kv_cache_usage_perc`` (0..1). A replica is *overloaded* for a new request when its
-load exceeds ``mean_load_factor`` x the mean load of the candidates counting the new request
-(``factor * (sum(loads) + 1) / n``, the bound of consistent hashing with bounded loads); with a factor
->= 1 at least one candidate is always under it.
+load exceeds the cap: ``mean_load_factor`` x the mean load of the candidates counting the new request
+(``factor * (sum(loads) + 1) / n``, the bound of consistent hashing with bounded loads), but never less
+than ``min_load_cap``. With a factor >= 1 at least one candidate is always under the cap.
+
+Why the floor: with hundreds of replicas the mean is tiny (100 requests over 200 replicas: a cap of
+0.63), so a replica holding one request is already "overloaded" and every prefix whose owner is busy
+spills to the next replica on the ring, which computes the prefix again; a popular prefix ends up on
+dozens of replicas (KubeAI met this with hundreds of vLLM replicas, kubeai-project/kubeai PR 519). An
+engine batches a few more requests at almost no cost, so a replica under ``min_load_cap`` keeps its
+prefixes. Ties between equally good candidates are broken at random: router replicas share no state,
+and a fixed order (the URL) would send all of them to the same replica at the same moment.
 
 ``prefix-hash`` (default): the candidate whose index holds the longest prefix of the request's block
 hashes wins (ties: lower load), unless it is overloaded; then the next-longest match under the bound,
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -158,19 +167,25 @@ class HashRing:
         loads: dict[str, float],
         bound: float,
         exclude: Iterable[str] = (),
+        rng: random.Random | None = None,
     ) -> str | None:
         """The first member clockwise from ``key`` among ``loads``' keys (minus ``exclude``) whose load
-        is at most ``bound``; if none is (only possible for bounds below the mean), the least loaded."""
+        is at most ``bound``; if none is (only possible for bounds below the mean), the least loaded
+        (ties at random)."""
         excluded = set(exclude)
         for owner in self.walk(key):
             if owner in excluded or owner not in loads:
                 continue
             if loads[owner] <= bound:
                 return owner
-        rest = [
-            (load, name) for name, load in loads.items() if name not in excluded and name in self._members
-        ]
-        return min(rest)[1] if rest else None
+        rest = {name: load for name, load in loads.items() if name not in excluded and name in self._members}
+        return least_loaded(rest, rng or random) if rest else None
+
+
+def least_loaded(loads: dict[str, float], rng: random.Random) -> str:
+    """The key of the smallest load; equal loads are broken at random (``loads`` must not be empty)."""
+    low = min(loads.values())
+    return rng.choice([name for name, load in loads.items() if load == low])
 
 
 class BackendState:
@@ -218,6 +233,8 @@ class Balancer:
         index_capacity: int = 100_000,
         virtual_nodes: int = 160,
         hash_key_blocks: int = 4,
+        min_load_cap: float = 4.0,
+        rng: random.Random | None = None,
     ) -> None:
         if hash_key_blocks < 1:
             raise ValueError("hash_key_blocks must be >= 1")
@@ -225,13 +242,19 @@ class Balancer:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if mean_load_factor < 1.0:
             raise ValueError("mean_load_factor must be >= 1.0")
+        if min_load_cap < 0:
+            raise ValueError("min_load_cap must be >= 0")
         self.strategy = strategy
         self.mean_load_factor = mean_load_factor
+        self.min_load_cap = min_load_cap
+        self.rng = rng or random.Random()  # tie-breaks; tests pass a seeded one
         self.index_capacity = index_capacity
         self.hash_key_blocks = hash_key_blocks
         self.backends: dict[str, BackendState] = {}
         self.ring = HashRing(virtual_nodes)
-        self._rr = 0
+        # Round-robin and least-load rotation start at a random offset, so that router replicas started
+        # together do not walk the fleet in step.
+        self._rr = self.rng.randrange(1 << 16)
 
     # --- membership ------------------------------------------------------------------------------
     def set_backends(self, urls: Iterable[str]) -> None:
@@ -330,12 +353,13 @@ class Balancer:
             return Decision(only.url, PREFIX_HIT if matched >= key_len else HASH_RING, matched)
 
         loads = {s.url: s.load for s in cands}
-        bound = self.mean_load_factor * (sum(loads.values()) + 1.0) / len(cands)
+        bound = self.load_cap(loads.values())
         matches = [(s.index.match(hashes), s) for s in cands]
         best_len = max(m for m, _ in matches)
         if best_len >= key_len:
-            # Longest match first; equal matches: lower load.
-            matches.sort(key=lambda ms: (-ms[0], loads[ms[1].url], ms[1].url))
+            # Longest match first; equal matches: lower load; equal loads: at random.
+            tie = {s.url: self.rng.random() for _, s in matches}
+            matches.sort(key=lambda ms: (-ms[0], loads[ms[1].url], tie[ms[1].url]))
             top = matches[0][1]
             if loads[top.url] <= bound:
                 return Decision(top.url, PREFIX_HIT, best_len)
@@ -344,7 +368,7 @@ class Balancer:
                     break
                 if loads[s.url] <= bound:
                     return Decision(s.url, OVERLOAD_FALLBACK, m)
-        url = self.ring.choose(key, loads, bound, excluded)
+        url = self.ring.choose(key, loads, bound, excluded, self.rng)
         if url is None:  # pragma: no cover - cands are ring members
             url = self._least_loaded(cands).url
         matched = self.backends[url].index.match(hashes)
@@ -352,6 +376,11 @@ class Balancer:
             return Decision(url, OVERLOAD_FALLBACK, matched)
         owner = next((o for o in self.ring.walk(key) if o not in excluded and o in loads), url)
         return Decision(url, HASH_RING if url == owner else OVERLOAD_FALLBACK, matched)
+
+    def load_cap(self, loads: Iterable[float]) -> float:
+        """The most load a candidate may carry and still take a new request (see the module docstring)."""
+        loads = list(loads)
+        return max(self.min_load_cap, self.mean_load_factor * (sum(loads) + 1.0) / len(loads))
 
     def _least_loaded(self, cands: list[BackendState]) -> BackendState:
         # Ties are broken by rotation so that an idle fleet is not all sent to one replica.

@@ -17,6 +17,7 @@ import logging
 import os
 
 from pagedserve.router.balancer import STRATEGIES
+from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES
 
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -78,12 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-name", default=None, help="seeds the block hash chain (default: --tokenizer, else '')"
     )
     g.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
+    g.add_argument(
+        "--tokenizer-cache-mib",
+        type=int,
+        default=DEFAULT_SEGMENT_CACHE_BYTES >> 20,
+        help="memory for the token ids of prompt segments already tokenized (system prompts, ...), in MiB",
+    )
     g.add_argument("--strategy", default="prefix-hash", choices=STRATEGIES)
     g.add_argument(
         "--mean-load-factor",
         type=float,
         default=1.25,
         help="a replica whose load exceeds this x the mean load is passed over (bounded loads)",
+    )
+    g.add_argument(
+        "--min-load-cap",
+        type=float,
+        default=4.0,
+        help="a replica is never passed over below this load (in-flight requests), however low the mean: "
+        "keeps prefixes on their replicas when there are hundreds of them",
     )
     g.add_argument("--index-capacity", type=int, default=100_000, help="block hashes remembered per replica")
     g.add_argument("--virtual-nodes", type=int, default=160, help="points per replica on the hash ring")
@@ -120,8 +134,10 @@ def config_from_args(args: argparse.Namespace):
         tokenizer=args.tokenizer,
         model_name=args.model_name if args.model_name is not None else (args.tokenizer or ""),
         block_size=args.block_size,
+        segment_cache_bytes=args.tokenizer_cache_mib << 20,
         strategy=args.strategy,
         mean_load_factor=args.mean_load_factor,
+        min_load_cap=args.min_load_cap,
         index_capacity=args.index_capacity,
         virtual_nodes=args.virtual_nodes,
         hash_key_blocks=args.hash_key_blocks,

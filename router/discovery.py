@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -82,14 +83,31 @@ def parse_engine_metrics(text: str) -> tuple[float, float]:
 
 
 # --- Kubernetes EndpointSlices -------------------------------------------------------------------------
-def endpoints_from_slice(slice_obj: dict[str, Any], port: int) -> dict[str, bool]:
-    """{url: ready} for the endpoints of one EndpointSlice (a dict with the API's camelCase keys).
+# When a pod has addresses of several families (a dual-stack Service has one EndpointSlice per family),
+# the router uses one of them, the first family in this order. The choice must not depend on the order in
+# which slices arrive: every router replica names the pod by the same URL, or their hash rings differ and
+# prefix affinity across router replicas is lost. IPv4 first because a dual-stack pod always has an IPv4
+# address, whichever family the Service lists first.
+FAMILY_PREFERENCE = ("IPv4", "IPv6", "FQDN")
+
+
+@dataclass(frozen=True)
+class SliceEndpoint:
+    """One endpoint of one EndpointSlice."""
+
+    pod: str  # who it is: its targetRef (the pod's uid, else kind/namespace/name), else its address
+    url: str
+    ready: bool
+    family: str  # the slice's addressType
+
+
+def endpoints_from_slice(slice_obj: dict[str, Any], port: int) -> list[SliceEndpoint]:
+    """The endpoints of one EndpointSlice (a dict with the API's camelCase keys).
 
     ``conditions.ready`` unset means ready (the API's convention); each endpoint uses its first address.
     """
-    out: dict[str, bool] = {}
-    if slice_obj.get("addressType") == "FQDN":
-        pass  # addresses are host names: fine for URLs as they are
+    family = slice_obj.get("addressType") or "IPv4"  # FQDN: host names, fine for URLs as they are
+    out: list[SliceEndpoint] = []
     for ep in slice_obj.get("endpoints") or []:
         addresses = ep.get("addresses") or []
         if not addresses:
@@ -99,8 +117,41 @@ def endpoints_from_slice(slice_obj: dict[str, Any], port: int) -> dict[str, bool
         ready = True if ready is None else bool(ready)
         if conditions.get("terminating"):
             ready = False
-        out[host_port_url(addresses[0], port)] = ready
+        out.append(
+            SliceEndpoint(_pod_of(ep) or addresses[0], host_port_url(addresses[0], port), ready, family)
+        )
     return out
+
+
+def _pod_of(endpoint: dict[str, Any]) -> str:
+    """The identity of the pod behind an endpoint, the same in every slice ("" when the slice has none)."""
+    ref = endpoint.get("targetRef") or {}
+    if ref.get("uid"):
+        return str(ref["uid"])
+    if ref.get("name"):
+        return "/".join((ref.get("kind") or "", ref.get("namespace") or "", ref["name"]))
+    return ""
+
+
+def merge_endpoints(endpoints: Iterable[SliceEndpoint]) -> dict[str, bool]:
+    """{url: ready}, one URL per pod (its address of the preferred family, see FAMILY_PREFERENCE).
+
+    The same URL in several slices (an endpoint moving between slices) is ready if any says so.
+    """
+    by_pod: dict[str, list[SliceEndpoint]] = {}
+    for ep in endpoints:
+        by_pod.setdefault(ep.pod, []).append(ep)
+    merged: dict[str, bool] = {}
+    for eps in by_pod.values():
+        chosen = min(eps, key=_preference)
+        ready = any(ep.ready for ep in eps if ep.url == chosen.url)
+        merged[chosen.url] = merged.get(chosen.url, False) or ready
+    return merged
+
+
+def _preference(ep: SliceEndpoint) -> tuple[int, str]:
+    rank = FAMILY_PREFERENCE.index(ep.family) if ep.family in FAMILY_PREFERENCE else len(FAMILY_PREFERENCE)
+    return rank, ep.url
 
 
 class StaticDiscovery:
@@ -141,7 +192,7 @@ class EndpointSliceDiscovery:
         self.watch_factory = watch_factory
         self.retry_delay = retry_delay
         self.watch_timeout_s = watch_timeout_s
-        self.slices: dict[str, dict[str, bool]] = {}
+        self.slices: dict[str, list[SliceEndpoint]] = {}
         self.synced = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -243,12 +294,12 @@ class EndpointSliceDiscovery:
                 loop.call_soon_threadsafe(fn, *args)
 
     # --- applied on the event loop ---------------------------------------------------------------
-    def _replace_all(self, slices: dict[str, dict[str, bool]]) -> None:
+    def _replace_all(self, slices: dict[str, list[SliceEndpoint]]) -> None:
         self.slices = dict(slices)
         self._apply()
         self.synced.set()
 
-    def _set_slice(self, name: str, endpoints: dict[str, bool] | None) -> None:
+    def _set_slice(self, name: str, endpoints: list[SliceEndpoint] | None) -> None:
         if endpoints is None:
             self.slices.pop(name, None)
         else:
@@ -256,11 +307,8 @@ class EndpointSliceDiscovery:
         self._apply()
 
     def endpoints(self) -> dict[str, bool]:
-        merged: dict[str, bool] = {}
-        for eps in self.slices.values():
-            for url, ready in eps.items():
-                merged[url] = merged.get(url, False) or ready
-        return merged
+        """{url: ready} over all slices, one URL per pod."""
+        return merge_endpoints(ep for eps in self.slices.values() for ep in eps)
 
     def _apply(self) -> None:
         merged = self.endpoints()
@@ -302,7 +350,9 @@ class HealthMonitor:
         for url in list(self._tasks):
             if url not in urls:
                 self._tasks.pop(url).cancel()
-                self._failures.pop(url, None)
+        for state in (self._failures, self.last_check):
+            for url in [url for url in state if url not in urls]:
+                del state[url]
         for url in urls:
             if url not in self._tasks:
                 self._tasks[url] = asyncio.get_running_loop().create_task(self._loop(url))

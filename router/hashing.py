@@ -18,15 +18,16 @@ import hashlib
 import json
 import logging
 import re
-import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+from pagedserve.router.segment_cache import SegmentCache
 
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
+DEFAULT_SEGMENT_CACHE_BYTES = 64 << 20
 
 
 def seed_hash(model_name: str) -> int:
@@ -87,7 +88,11 @@ class PromptHasher:
     """
 
     def __init__(
-        self, tokenizer: str | None, model_name: str, block_size: int = 16, segment_cache_size: int = 4096
+        self,
+        tokenizer: str | None,
+        model_name: str,
+        block_size: int = 16,
+        segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -100,9 +105,7 @@ class PromptHasher:
         self._template_vars: dict[str, Any] = {}
         self._split = None  # regex splitting rendered text at added tokens, when that is exact
         self._special_ids: dict[str, int] = {}
-        self._segments: OrderedDict[str, list[int]] = OrderedDict()
-        self._segments_lock = threading.Lock()  # long prompts are hashed in worker threads
-        self._segment_cache_size = segment_cache_size
+        self.segments = SegmentCache(segment_cache_bytes)  # token ids of the text between added tokens
         if self.tokenizer is not None:
             self._backend = getattr(self.tokenizer, "_tokenizer", None)  # the Rust tokenizers.Tokenizer
             self._setup_fast_paths()
@@ -168,14 +171,14 @@ class PromptHasher:
             text = reference if reference is not None else "<|probe|> hello  world\n"
             if self._encode_pieces(text) != backend.encode(text, add_special_tokens=False).ids:
                 self._split = None
-            self._segments.clear()
+            self.segments.clear()
         except Exception as exc:  # pragma: no cover - older tokenizers without the API
             logger.debug("piecewise tokenization unavailable: %s", exc)
             self._split = None
 
     def _encode_pieces(self, text: str) -> list[int]:
         ids: list[int] = []
-        cache = self._segments
+        cache = self.segments
         special = self._special_ids
         encode = self._backend.encode
         for i, piece in enumerate(self._split.split(text)):
@@ -184,16 +187,9 @@ class PromptHasher:
             if i % 2:  # the separators, i.e. the added tokens
                 ids.append(special[piece])
                 continue
-            with self._segments_lock:
-                cached = cache.get(piece)
-                if cached is not None:
-                    cache.move_to_end(piece)
+            cached = cache.get(piece)
             if cached is None:
-                cached = encode(piece, add_special_tokens=False).ids
-                with self._segments_lock:
-                    cache[piece] = cached
-                    if len(cache) > self._segment_cache_size:
-                        cache.popitem(last=False)
+                cached = cache.put(piece, encode(piece, add_special_tokens=False).ids)
             ids.extend(cached)
         return ids
 

@@ -75,38 +75,47 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        for reason in REASONS:
-            self.decisions.labels(reason)
-        self._decision_children = {reason: self.decisions.labels(reason) for reason in REASONS}
-        self._request_children: dict[tuple[str, str], object] = {}
-        self._in_flight_children: dict[str, object] = {}
+        # Every reason from the start, so that the series exist (at 0) before the first decision.
+        self._decision_children = {(reason,): self.decisions.labels(reason) for reason in REASONS}
+        self._request_children: dict[tuple[str, ...], object] = {}
+        self._retry_children: dict[tuple[str, ...], object] = {}
+        self._in_flight_children: dict[tuple[str, ...], object] = {}
 
     # Cached label children: `labels()` costs a lock and a dict build per call.
-    def decision(self, reason: str) -> None:
-        child = self._decision_children.get(reason)
+    @staticmethod
+    def _child(children: dict, metric, *labels: str):
+        child = children.get(labels)
         if child is None:
-            child = self._decision_children[reason] = self.decisions.labels(reason)
-        child.inc()
-
-    def request_done(self, backend: str, status: str) -> None:
-        key = (backend, status)
-        child = self._request_children.get(key)
-        if child is None:
-            child = self._request_children[key] = self.requests.labels(backend, status)
-        child.inc()
-
-    def in_flight_child(self, backend: str):
-        child = self._in_flight_children.get(backend)
-        if child is None:
-            child = self._in_flight_children[backend] = self.in_flight.labels(backend)
+            child = children[labels] = metric.labels(*labels)
         return child
 
+    def decision(self, reason: str) -> None:
+        self._child(self._decision_children, self.decisions, reason).inc()
+
+    def request_done(self, backend: str, status: str) -> None:
+        self._child(self._request_children, self.requests, backend, status).inc()
+
+    def retry(self, backend: str, reason: str) -> None:
+        self._child(self._retry_children, self.retries, backend, reason).inc()
+
+    def in_flight_child(self, backend: str):
+        return self._child(self._in_flight_children, self.in_flight, backend)
+
     def forget_backend(self, backend: str) -> None:
-        """Drop the per-backend gauges of a backend that is gone for good (counters stay)."""
+        """Drop every series of a backend that has left discovery: pods come and go with new addresses,
+        and series kept for each would grow the exposition without bound."""
         for gauge in (self.in_flight, self.backend_ready, self.backend_load):
             with contextlib.suppress(KeyError):
                 gauge.remove(backend)
-        self._in_flight_children.pop(backend, None)
+        self._in_flight_children.pop((backend,), None)
+        for counter, children in (
+            (self.requests, self._request_children),
+            (self.retries, self._retry_children),
+        ):
+            for key in [key for key in children if key[0] == backend]:
+                del children[key]
+                with contextlib.suppress(KeyError):
+                    counter.remove(*key)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,10 +12,16 @@ chunk has arrived, so a replica that dies during prefill is retried too. After t
 ends the stream: with an OpenAI-style error event for ``text/event-stream``, else by closing the
 connection.
 
+A client that goes away, at any stage after its body arrived, cancels the forwarding, which closes the
+upstream connection: the replica aborts the request (``RouterApp.proxy``). A client that leaves while
+sending its body is never forwarded. A replica's answer is remembered for prefix affinity only when it is a
+success (2xx): a refused or failed request cached nothing there.
+
 The router's own errors use the engine server's OpenAI error JSON (server/api/errors.py), so a client
 sees one error shape whether the router or a replica refused it.
 Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready),
-``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators).
+``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators),
+``/openapi.json`` (router/openapi.py).
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from pagedserve.router.balancer import Balancer
 from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
-from pagedserve.router.hashing import PromptHasher
+from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES, PromptHasher
 from pagedserve.router.metrics import RouterMetrics
+from pagedserve.router.openapi import openapi_json
 from pagedserve.router.upstream import (
     UpstreamConnectError,
     UpstreamDisconnect,
@@ -67,6 +75,11 @@ _DROP_RESPONSE = _HOP_BY_HOP
 
 _TOKENIZE_INLINE_MAX = 64 * 1024  # request bodies above this are tokenized in a worker thread
 
+# (balancer, on_change) -> an object with `async start()` and `async stop()` that keeps the balancer's
+# replicas up to date and calls on_change after each change (router/discovery.py).
+DiscoveryFactory = Callable[[Balancer, Callable[[], None]], Any]
+
+
 @dataclass
 class RouterConfig:
     backends: list[str] = field(default_factory=list)
@@ -76,8 +89,10 @@ class RouterConfig:
     tokenizer: str | None = None
     model_name: str = ""
     block_size: int = 16
+    segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES
     strategy: str = "prefix-hash"
     mean_load_factor: float = 1.25
+    min_load_cap: float = 4.0
     index_capacity: int = 100_000
     virtual_nodes: int = 160
     hash_key_blocks: int = 4
@@ -98,8 +113,12 @@ class RouterConfig:
             raise ValueError("--backend and --k8s-service are exclusive")
         if self.block_size <= 0:
             raise ValueError("--block-size must be positive")
+        if self.segment_cache_bytes < 0:
+            raise ValueError("--tokenizer-cache-mib must be >= 0")
         if self.mean_load_factor < 1.0:
             raise ValueError("--mean-load-factor must be >= 1.0")
+        if self.min_load_cap < 0:
+            raise ValueError("--min-load-cap must be >= 0")
         if self.max_retries < 0:
             raise ValueError("--max-retries must be >= 0")
         if self.index_capacity <= 0:
@@ -108,16 +127,34 @@ class RouterConfig:
             raise ValueError("--hash-key-blocks must be >= 1")
 
 
-async def _read_body(receive) -> bytes:
-    message = await receive()
-    body = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    parts = [body]
-    while message.get("more_body", False):
+CLIENT_DISCONNECT = "client_disconnect"  # the status label of a request whose client went away
+
+
+@dataclass
+class Exchange:
+    """A request being forwarded, as proxy() needs to see it whatever stage it ends at."""
+
+    backend: str = "none"  # the replica tried last ("none": no replica was tried)
+    outcome: str = "error"  # the status label of pagedserve_router_requests_total
+    tried: set[str] = field(default_factory=set)
+
+
+async def _read_body(receive) -> bytes | None:
+    """The whole request body; None if the client disconnected before sending all of it."""
+    parts = []
+    while True:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
         parts.append(message.get("body", b""))
-    return b"".join(parts)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _wait_for_disconnect(receive) -> None:
+    """Returns once the client has gone (uvicorn also says so once the response is complete)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _send_simple(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
@@ -138,13 +175,16 @@ class RouterApp:
         self,
         config: RouterConfig,
         hasher: PromptHasher | None = None,
-        discovery: Any = None,
+        discovery: DiscoveryFactory | None = None,
     ) -> None:
+        """``discovery``: builds the discovery from the balancer and the change callback (default: from
+        the config, static backends or EndpointSlices)."""
         config.validate()
         self.config = config
         self.balancer = Balancer(
             strategy=config.strategy,
             mean_load_factor=config.mean_load_factor,
+            min_load_cap=config.min_load_cap,
             index_capacity=config.index_capacity,
             virtual_nodes=config.virtual_nodes,
             hash_key_blocks=config.hash_key_blocks,
@@ -152,7 +192,9 @@ class RouterApp:
         self.metrics = RouterMetrics()
         if hasher is None and config.strategy == "prefix-hash":
             try:
-                hasher = PromptHasher(config.tokenizer, config.model_name, config.block_size)
+                hasher = PromptHasher(
+                    config.tokenizer, config.model_name, config.block_size, config.segment_cache_bytes
+                )
             except Exception as exc:
                 # Routing must go on: prompt bytes stand in for tokens (prefix affinity still works).
                 logger.error(
@@ -163,9 +205,11 @@ class RouterApp:
                 hasher = PromptHasher(None, config.model_name, config.block_size)
         self.hasher = hasher
         self.client: httpx.AsyncClient | None = None  # health checks and scrapes
+        self._known_backends: set[str] = set()  # as of the last discovery change
         self.upstream: UpstreamPool | None = None  # proxied requests
         self.monitor: HealthMonitor | None = None
-        self._discovery = discovery
+        self._discovery_factory = discovery or self._default_discovery
+        self._discovery: Any = None
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         self._started = False
 
@@ -195,19 +239,21 @@ class RouterApp:
             unhealthy_after=cfg.unhealthy_after,
             on_change=self._on_membership_change,
         )
-        if self._discovery is None:
-            if cfg.k8s_service:
-                self._discovery = EndpointSliceDiscovery(
-                    self.balancer, cfg.k8s_service, cfg.namespace, cfg.target_port, self._on_discovery_change
-                )
-            else:
-                self._discovery = StaticDiscovery(self.balancer, cfg.backends, self._on_discovery_change)
+        self._discovery = self._discovery_factory(self.balancer, self._on_discovery_change)
         await self._discovery.start()
         # One round of checks before serving, so that dead static backends are not tried first.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.monitor.check_all(), cfg.health_timeout + 1)
         self.monitor.sync()
         self._on_membership_change()
+
+    def _default_discovery(self, balancer: Balancer, on_change: Callable[[], None]) -> Any:
+        cfg = self.config
+        if cfg.k8s_service:
+            return EndpointSliceDiscovery(
+                balancer, cfg.k8s_service, cfg.namespace, cfg.target_port, on_change
+            )
+        return StaticDiscovery(balancer, cfg.backends, on_change)
 
     async def shutdown(self) -> None:
         if self._discovery is not None:
@@ -222,12 +268,19 @@ class RouterApp:
     def _on_discovery_change(self) -> None:
         if self.monitor is not None:
             with contextlib.suppress(RuntimeError):
-                self.monitor.sync()
+                self.monitor.sync()  # checks of departed replicas stop, their state goes
         known = set(self.balancer.backends)
-        for url in list(self.metrics._in_flight_children):
-            if url not in known:
-                self.metrics.forget_backend(url)
+        for url in self._known_backends - known:
+            self._forget_backend(url)
+        self._known_backends = known
         self._on_membership_change()
+
+    def _forget_backend(self, url: str) -> None:
+        """Drop what is kept per replica once it has left discovery: with pods coming and going under
+        new addresses, anything kept would grow without bound."""
+        self.metrics.forget_backend(url)
+        if self.upstream is not None:
+            self.upstream.forget(url)
 
     def _on_membership_change(self) -> None:
         ready = 0
@@ -265,6 +318,8 @@ class RouterApp:
                 await _send_simple(send, 200, self.metrics.render(), self.metrics.content_type.encode())
             elif path == "/backends":
                 await _send_simple(send, 200, json.dumps(self.backends_snapshot()).encode())
+            elif path == "/openapi.json":
+                await _send_simple(send, 200, openapi_json())
             else:
                 await _send_simple(send, 404, error_json(f"route {path} not found", 404))
         elif kind == "lifespan":
@@ -295,6 +350,7 @@ class RouterApp:
                 "kv_cache_usage": s.kv_usage,
                 "load": s.load,
                 "indexed_blocks": len(s.index),
+                "idle_connections": self.upstream.idle_connections(url) if self.upstream else 0,
             }
             for url, s in self.balancer.backends.items()
         ]
@@ -314,19 +370,64 @@ class RouterApp:
             return []
 
     async def proxy(self, scope, receive, send) -> None:
+        """One ``/v1/*`` request. After the body is read, the forwarding runs while another task waits for
+        the client to go away; if it does first, at whatever stage (hashing, connecting, waiting for the
+        response's head or first chunk, which is the whole generation of a non-streamed request, or
+        mid-stream), the forwarding is cancelled. Cancelling closes the upstream connection, so the engine
+        aborts the request and frees its KV blocks at once instead of generating for nobody."""
         started = time.perf_counter()
-        metrics = self.metrics
-        balancer = self.balancer
-        path = scope["path"]
-        req_headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST]
         if self._auth is not None:
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if auth is None or not hmac.compare_digest(auth, self._auth):
                 body = error_json("invalid or missing API key", 401, code="invalid_api_key")
                 await _send_simple(send, 401, body)
-                metrics.request_done("none", "401")
+                self.metrics.request_done("none", "401")
                 return
         body = await _read_body(receive)
+        if body is None:  # the client left while sending its request: nothing to forward
+            self.metrics.request_done("none", CLIENT_DISCONNECT)
+            return
+        exchange = Exchange()
+        forwarding = asyncio.ensure_future(self._forward(scope, send, body, exchange))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((forwarding, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not forwarding.done():
+                forwarding.cancel()
+                await asyncio.gather(forwarding, return_exceptions=True)
+            if forwarding.cancelled():
+                exchange.outcome = CLIENT_DISCONNECT
+            self.metrics.request_done(exchange.backend, exchange.outcome)
+            self.metrics.duration.observe(time.perf_counter() - started)
+            for url in exchange.tried:
+                if url not in self.balancer.backends:  # it left discovery while this request was in flight
+                    self._forget_backend(url)
+        if not forwarding.cancelled():
+            forwarding.result()  # a replica that failed mid-body: uvicorn closes the client connection
+
+    def _upstream_request(self, scope) -> tuple[str, list[tuple[bytes, bytes]]]:
+        """The request target (raw path and query) and headers to send to a replica."""
+        req_headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST]
+        client = scope.get("client")
+        if client:
+            forwarded = next((v for k, v in req_headers if k == b"x-forwarded-for"), None)
+            req_headers = [(k, v) for k, v in req_headers if k != b"x-forwarded-for"]
+            ip = client[0].encode()
+            req_headers.append((b"x-forwarded-for", forwarded + b", " + ip if forwarded else ip))
+        target = scope.get("raw_path") or scope["path"].encode()
+        if isinstance(target, bytes):
+            target = target.decode("latin-1")
+        if scope.get("query_string"):
+            target = target + "?" + scope["query_string"].decode("latin-1")
+        return target, req_headers
+
+    async def _forward(self, scope, send, body: bytes, exchange: Exchange) -> None:
+        """Pick a replica, send the request, retry before the first body byte, stream the answer."""
+        metrics = self.metrics
+        balancer = self.balancer
+        path = scope["path"]
         method = scope["method"]
         hashes: list[int] = []
         if method == "POST" and self.hasher is not None and path in HASHED_PATHS:
@@ -334,36 +435,24 @@ class RouterApp:
                 hashes = await asyncio.to_thread(self._hashes, path, body)
             else:
                 hashes = self._hashes(path, body)
-        client = scope.get("client")
-        if client:
-            forwarded = next((v for k, v in req_headers if k == b"x-forwarded-for"), None)
-            req_headers = [(k, v) for k, v in req_headers if k != b"x-forwarded-for"]
-            ip = client[0].encode()
-            req_headers.append((b"x-forwarded-for", forwarded + b", " + ip if forwarded else ip))
-        target = scope.get("raw_path") or path.encode()
-        if isinstance(target, bytes):
-            target = target.decode("latin-1")
-        if scope.get("query_string"):
-            target = target + "?" + scope["query_string"].decode("latin-1")
+        target, req_headers = self._upstream_request(scope)
 
         pool = self.upstream
         assert pool is not None, "router not started"
-        tried: set[str] = set()
-        attempts = 0
+        tried = exchange.tried
         last_error = "no ready backend"
         decision = balancer.choose(hashes, tried)
         while True:
             if decision is None:
+                exchange.backend, exchange.outcome = "none", "503"
                 await _send_simple(
                     send, 503, error_json(f"no backend could serve the request: {last_error}", 503)
                 )
-                metrics.request_done("none", "503")
-                metrics.duration.observe(time.perf_counter() - started)
                 return
             url = decision.url
             tried.add(url)
-            attempts += 1
-            can_retry = attempts <= self.config.max_retries
+            exchange.backend = url
+            can_retry = len(tried) <= self.config.max_retries
             balancer.acquire(url)
             gauge = metrics.in_flight_child(url)
             gauge.inc()
@@ -375,7 +464,7 @@ class RouterApp:
                         nxt = balancer.choose(hashes, tried)
                         if nxt is not None:
                             last_error = f"{url}: 503"
-                            metrics.retries.labels(url, "status_503").inc()
+                            metrics.retry(url, "status_503")
                             decision = nxt
                             continue
                     # Commit only once the first body chunk is here: a replica that dies before it (during
@@ -383,7 +472,7 @@ class RouterApp:
                     first = await response.next_chunk()
                 except UpstreamConnectError as exc:
                     last_error = f"{url}: {exc}"
-                    metrics.retries.labels(url, "connect").inc()
+                    metrics.retry(url, "connect")
                     if balancer.set_healthy(url, False):
                         logger.warning("backend %s refused the connection: it leaves the ring", url)
                         self._on_membership_change()
@@ -391,21 +480,22 @@ class RouterApp:
                     continue
                 except (UpstreamDisconnect, UpstreamProtocolError) as exc:
                     last_error = f"{url}: {exc}"
-                    metrics.retries.labels(url, "disconnect").inc()
+                    metrics.retry(url, "disconnect")
                     decision = balancer.choose(hashes, tried) if can_retry else None
                     continue
                 except UpstreamTimeout as exc:
+                    exchange.outcome = "504"
                     await _send_simple(send, 504, error_json(f"backend {url}: {exc}", 504))
-                    metrics.request_done(url, "504")
                     return
 
-                # The replica is computing this prompt's blocks: remember them for the next requests.
-                balancer.record(url, hashes)
+                # The replica is computing this prompt's blocks: remember them for the next requests. Not
+                # after an error: a refused request (4xx) or a failed one (5xx) left nothing in its cache.
+                if 200 <= response.status < 300:
+                    balancer.record(url, hashes)
                 metrics.decision(decision.reason)
                 if hashes:
                     metrics.matched_ratio.observe(decision.matched_blocks / len(hashes))
-                await self._stream(send, receive, response, first, url)
-                metrics.duration.observe(time.perf_counter() - started)
+                await self._stream(send, response, first, url, exchange)
                 return
             finally:
                 if response is not None:
@@ -413,55 +503,39 @@ class RouterApp:
                 balancer.release(url)
                 gauge.dec()
 
-    async def _stream(self, send, receive, response: UpstreamResponse, first: bytes, url: str) -> None:
+    async def _stream(
+        self, send, response: UpstreamResponse, first: bytes, url: str, exchange: Exchange
+    ) -> None:
         status = response.status
         headers = [(k, v) for k, v in response.headers if k.lower() not in _DROP_RESPONSE]
+        exchange.outcome = str(status)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if not first:
             await send({"type": "http.response.body", "body": b""})
-            self.metrics.request_done(url, str(status))
             return
         if response.at_end():  # the whole body came in one piece
             await send({"type": "http.response.body", "body": first})
-            response.close()
-            self.metrics.request_done(url, str(status))
             return
         await send({"type": "http.response.body", "body": first, "more_body": True})
-        chunk = await self._next_or_error(response)
-        # The client may go away mid-stream; then the upstream connection is closed, which makes the
-        # engine abort the request and free its KV blocks.
-        disconnected = asyncio.ensure_future(receive())
-        outcome = str(status)
-        try:
-            while True:
-                if isinstance(chunk, UpstreamError):
-                    outcome = "error"
-                    logger.warning("backend %s failed mid-response: %s", url, chunk)
-                    ctype = response.header(b"content-type") or b""
-                    if ctype.startswith(b"text/event-stream"):
-                        err = error_json(f"backend {url} failed mid-stream: {chunk}", 502)
-                        await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n"})
-                        return
-                    raise chunk
-                if not chunk:
-                    await send({"type": "http.response.body", "body": b""})
+        while True:
+            try:
+                chunk = await response.next_chunk()
+            except UpstreamError as exc:
+                exchange.outcome = "error"
+                logger.warning("backend %s failed mid-response: %s", url, exc)
+                ctype = response.header(b"content-type") or b""
+                if ctype.startswith(b"text/event-stream"):
+                    err = error_json(f"backend {url} failed mid-stream: {exc}", 502)
+                    await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n"})
                     return
-                if disconnected.done():
-                    outcome = "client_disconnect"
-                    return
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                chunk = await self._next_or_error(response)
-        finally:
-            disconnected.cancel()
-            self.metrics.request_done(url, outcome)
-
-    @staticmethod
-    async def _next_or_error(response: UpstreamResponse) -> bytes | UpstreamError:
-        try:
-            return await response.next_chunk()
-        except UpstreamError as exc:
-            return exc
+                raise
+            if not chunk:
+                await send({"type": "http.response.body", "body": b""})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
-def create_app(config: RouterConfig, hasher: PromptHasher | None = None, discovery: Any = None) -> RouterApp:
+def create_app(
+    config: RouterConfig, hasher: PromptHasher | None = None, discovery: DiscoveryFactory | None = None
+) -> RouterApp:
     return RouterApp(config, hasher=hasher, discovery=discovery)

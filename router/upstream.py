@@ -260,6 +260,14 @@ class UpstreamResponse:
         self._finish(reuse=self._conn.complete and not self._conn.body and self._conn.error is None)
 
 
+def _split(base_url: str) -> tuple[str, int, bytes]:
+    """(host, port, netloc) of an ``http://`` replica URL."""
+    parts = urlsplit(base_url)
+    if parts.scheme != "http":
+        raise UpstreamConnectError(f"only http:// replicas are supported, got {base_url}")
+    return parts.hostname or "127.0.0.1", parts.port or 80, parts.netloc.encode()
+
+
 class UpstreamPool:
     def __init__(
         self,
@@ -278,12 +286,7 @@ class UpstreamPool:
     def _parse(self, base_url: str) -> tuple[str, int, bytes]:
         cached = self._hostport.get(base_url)
         if cached is None:
-            parts = urlsplit(base_url)
-            if parts.scheme != "http":
-                raise UpstreamConnectError(f"only http:// replicas are supported, got {base_url}")
-            host = parts.hostname or "127.0.0.1"
-            port = parts.port or 80
-            cached = self._hostport[base_url] = (host, port, parts.netloc.encode())
+            cached = self._hostport[base_url] = _split(base_url)
         return cached
 
     async def _connect(self, host: str, port: int) -> _Conn:
@@ -364,6 +367,21 @@ class UpstreamPool:
                 raise
             return UpstreamResponse(self, conn, timeout)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def idle_connections(self, base_url: str) -> int:
+        """Pooled keep-alive connections to a replica."""
+        host, port, _ = _split(base_url)
+        return len(self._idle.get((host, port), ()))
+
+    def forget(self, base_url: str) -> None:
+        """A replica that left discovery: close its idle connections and drop what is kept for it. (A
+        response still in flight returns its connection to the pool when it ends: forget again then.)"""
+        self._hostport.pop(base_url, None)
+        host, port, _ = _split(base_url)
+        for conn in self._idle.pop((host, port), ()):
+            conn.closed = True
+            if conn.transport is not None:
+                conn.transport.close()
 
     async def aclose(self) -> None:
         for idle in self._idle.values():

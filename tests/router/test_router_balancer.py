@@ -303,3 +303,72 @@ def test_rejects_bad_settings():
         Balancer(strategy="random")
     with pytest.raises(ValueError):
         Balancer(mean_load_factor=0.5)
+
+
+# --- hot spots with hundreds of replicas (issue 14, item 9) --------------------------------------------
+def test_two_hundred_replicas_keep_affinity_under_the_cap():
+    """200 replicas, 100 requests in flight, a quarter of them sharing one hot prefix: the mean-load cap
+    alone is 0.63, so every busy owner would spill its prefixes to the next replica on the ring. With
+    the floor no replica takes a request above the cap, and repeated prefixes mostly hit."""
+    n, in_flight_max, factor, floor = 200, 100, 1.25, 4.0
+    rnd = random.Random(1)
+    b = Balancer(mean_load_factor=factor, min_load_cap=floor, rng=random.Random(2))
+    urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(n)]
+    b.set_backends(urls)
+    tenants = [chain(t, t, t, t) for t in range(301)]  # tenant 0 is the hot prefix
+    in_flight: list[str] = []
+    seen: set[int] = set()
+    repeats = hits = 0
+    homes: dict[int, set[str]] = {}
+    for _ in range(6000):
+        if len(in_flight) == in_flight_max:  # a request ends: the simulated load stays bounded
+            b.release(in_flight.pop(rnd.randrange(len(in_flight))))
+        t = 0 if rnd.random() < 0.25 else rnd.randrange(1, len(tenants))
+        hashes = tenants[t] + keys(1, rnd.getrandbits(32))
+        loads = {url: s.load for url, s in b.backends.items()}
+        cap = max(floor, factor * (sum(loads.values()) + 1) / n)
+        d = b.choose(hashes)
+        assert loads[d.url] <= cap, (d, loads[d.url], cap)
+        if t in seen:
+            repeats += 1
+            hits += d.reason == PREFIX_HIT
+        seen.add(t)
+        homes.setdefault(t, set()).add(d.url)
+        b.record(d.url, hashes)
+        b.acquire(d.url)
+        in_flight.append(d.url)
+    assert max(s.in_flight for s in b.backends.values()) <= floor + 1
+    assert hits / repeats >= 0.95, hits / repeats  # about 0.8 without the floor
+    assert len(homes[0]) <= 16, len(homes[0])  # the hot prefix on a few replicas, not dozens
+    cold = [len(v) for t, v in homes.items() if t]
+    assert sum(cold) / len(cold) <= 1.2  # a cold prefix stays on its owner
+
+
+def test_equal_candidates_are_chosen_at_random():
+    """Equally matched, equally loaded replicas: no fixed favourite (router replicas share no state)."""
+    b, urls = make(n=4, min_load_cap=0.0, rng=random.Random(5))
+    h = chain(1, 2, 3)
+    for url in urls[:3]:
+        b.record(url, h)
+    assert {b.choose(h).url for _ in range(60)} == set(urls[:3])
+    # The ring's least-loaded fallback (a bound no member is under) breaks ties at random too.
+    ring = HashRing()
+    ring.set_members(["a", "b", "c"])
+    loads = {"a": 2.0, "b": 2.0, "c": 3.0}
+    rng = random.Random(0)
+    assert {ring.choose(7, loads, 1.0, rng=rng) for _ in range(40)} == {"a", "b"}
+
+
+def test_min_load_cap_is_a_floor_of_the_bound():
+    b, urls = make(n=3, min_load_cap=4.0)
+    assert b.load_cap([0.0, 0.0, 0.0]) == 4.0
+    assert b.load_cap([30.0, 30.0, 30.0]) == pytest.approx(1.25 * 91 / 3)
+    h = chain(1, 2, 3)
+    b.record(urls[0], h)
+    for _ in range(4):  # loads 4, 0, 0: over the mean bound (2.1) but not over the floor
+        b.acquire(urls[0])
+    assert b.choose(h).url == urls[0]
+    b.acquire(urls[0])
+    assert b.choose(h).url != urls[0]
+    with pytest.raises(ValueError):
+        Balancer(min_load_cap=-1)

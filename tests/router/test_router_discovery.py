@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 import httpx
 import pytest
@@ -17,8 +18,10 @@ from pagedserve.router.discovery import (
     normalize_url,
     parse_engine_metrics,
 )
+from pagedserve.router.proxy import RouterApp, RouterConfig
 
 from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.net import free_port
 from pagedserve.testing.server_thread import ServerThread
 
 
@@ -73,15 +76,19 @@ def test_endpoints_from_slice():
             {"addresses": []},
         ],
     )
-    assert endpoints_from_slice(s, 8000) == {
+    assert urls(endpoints_from_slice(s, 8000)) == {
         "http://10.0.0.1:8000": True,
         "http://10.0.0.2:8000": False,
         "http://10.0.0.3:8000": True,  # unset means ready
         "http://10.0.0.4:8000": False,
     }
     v6 = slice_obj("engine-v6", [ep("fd00::1")], address_type="IPv6")
-    assert endpoints_from_slice(v6, 9000) == {"http://[fd00::1]:9000": True}
-    assert endpoints_from_slice({"metadata": {"name": "x"}, "endpoints": None}, 8000) == {}
+    assert urls(endpoints_from_slice(v6, 9000)) == {"http://[fd00::1]:9000": True}
+    assert endpoints_from_slice({"metadata": {"name": "x"}, "endpoints": None}, 8000) == []
+
+
+def urls(endpoints) -> dict[str, bool]:
+    return {e.url: e.ready for e in endpoints}
 
 
 class FakeWatch:
@@ -301,3 +308,88 @@ def test_watch_thread_is_a_daemon():
 
     t = asyncio.run(go())
     assert isinstance(t, threading.Thread) and t.daemon
+
+
+# --- dual stack and departures (issue 14, item 8) -----------------------------------------------------
+def pod_ep(ip: str, pod: str, ready: bool = True) -> dict:
+    return {
+        "addresses": [ip],
+        "conditions": {"ready": ready},
+        "targetRef": {"kind": "Pod", "namespace": "ml", "name": pod, "uid": f"uid-{pod}"},
+    }
+
+
+async def test_dual_stack_slices_give_one_endpoint_per_pod():
+    """A dual-stack Service has an IPv4 and an IPv6 slice listing the same pods: one replica per pod,
+    named by its IPv4 address whatever order the slices come in (every router replica builds the same
+    ring)."""
+    v6 = slice_obj(
+        "engine-v6", [pod_ep("fd00::1", "p1"), pod_ep("fd00::2", "p2"), pod_ep("fd00::3", "p3")], "IPv6"
+    )
+    v4 = slice_obj("engine-v4", [pod_ep("10.0.0.1", "p1"), pod_ep("10.0.0.2", "p2", ready=False)])
+    for items in ([v6, v4], [v4, v6]):
+        balancer = Balancer()
+        d = EndpointSliceDiscovery(
+            balancer, "engine", "ml", 8000, lambda: None, api=FakeApi(items),
+            watch_factory=lambda: FakeWatch(queue.Queue()),
+        )  # fmt: skip
+        await d.start(wait_s=5)
+        try:
+            # p3 has no IPv4 address (yet): its IPv6 one. p2's readiness is its IPv4 endpoint's.
+            assert set(balancer.backends) == {
+                "http://10.0.0.1:8000",
+                "http://10.0.0.2:8000",
+                "http://[fd00::3]:8000",
+            }
+            assert sorted(balancer.ready_urls()) == ["http://10.0.0.1:8000", "http://[fd00::3]:8000"]
+        finally:
+            await d.stop()
+
+
+def test_a_departed_backend_leaves_no_state():
+    """A replica that leaves the EndpointSlices takes its metric series, health-check state and pooled
+    connections with it (pods come back under new addresses: kept, they would grow without bound)."""
+    port = free_port()
+    pods = {
+        ip: ServerThread(FakeOpenAI(name=ip), port=port, host=ip).start() for ip in ("127.0.0.2", "127.0.0.3")
+    }
+    events: queue.Queue = queue.Queue()
+    both = slice_obj("engine-a", [pod_ep("127.0.0.2", "p2"), pod_ep("127.0.0.3", "p3")])
+    app = RouterApp(
+        RouterConfig(
+            k8s_service="engine", namespace="ml", target_port=port, strategy="round-robin",
+            health_interval=0.1, health_timeout=1.0,
+        ),
+        discovery=lambda balancer, on_change: EndpointSliceDiscovery(
+            balancer, "engine", "ml", port, on_change, api=FakeApi([both]),
+            watch_factory=lambda: FakeWatch(events),
+        ),
+    )  # fmt: skip
+    router = ServerThread(app).start()
+    gone = f"http://127.0.0.3:{port}"
+    try:
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            pods["127.0.0.3"].app.fail_503 = 1  # a retry series for it too
+            for _ in range(4):
+                r = client.post("/v1/completions", json={"model": "m", "prompt": "hello"})
+                assert r.status_code == 200, r.text
+            metrics = client.get("/metrics").text
+            assert (
+                f'backend="{gone}",status="200"' in metrics
+                and f'backend="{gone}",reason="status_503"' in metrics
+            )
+            assert app.upstream.idle_connections(gone) >= 1 and gone in app.monitor.last_check
+
+            events.put({"type": "MODIFIED", "object": slice_obj("engine-a", [pod_ep("127.0.0.2", "p2")])})
+            deadline = time.monotonic() + 10
+            while gone in app.balancer.backends and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert gone not in app.balancer.backends
+            assert gone not in client.get("/metrics").text
+            assert gone not in app.monitor.last_check
+            assert app.upstream.idle_connections(gone) == 0
+            assert client.post("/v1/completions", json={"model": "m", "prompt": "hi"}).status_code == 200
+    finally:
+        router.stop()
+        for pod in pods.values():
+            pod.stop()

@@ -293,3 +293,81 @@ def test_killed_replica_is_retried_around_and_rejoins(engines, router_factory, d
         and 'status="200"' in line
     )
     assert served >= 1, json.dumps(before)
+
+
+# --- a client that goes away aborts the engine's request, whatever the stage (issue 14, item 7) -----------
+ABORT_BOUND_S = 15  # far less than the long generation below takes (thousands of tokens on CPU)
+
+
+def engine_gauge(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def long_generation(stream: bool) -> dict:
+    return {
+        "model": MODEL,
+        "prompt": "Count from one to ten thousand: one, two, three,",
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+@pytest.fixture(scope="module")
+def one_seat_engine(tmp_path_factory):
+    """One engine that runs one request at a time, so a second one waits in its queue."""
+    log = tmp_path_factory.mktemp("one_seat") / "engine.log"
+    flags = ("--max-num-seqs", "1", "--max-model-len", "2048", *ENGINE_FLAGS)
+    with serve_process(log, *flags, env=engine_env()) as engine:
+        engine.wait_ready(240)
+        yield engine
+
+
+def test_client_disconnect_aborts_the_engine_request_at_every_stage(
+    one_seat_engine, router_factory, raw_post
+):
+    engine = one_seat_engine.url
+    router = router_factory([engine], "prefix-hash")
+
+    def running() -> float:
+        return engine_gauge(engine, "vllm:num_requests_running")
+
+    def waiting() -> float:
+        return engine_gauge(engine, "vllm:num_requests_waiting")
+
+    # Mid-stream: A streams, holding the engine's only seat.
+    a = raw_post(router, "/v1/completions", long_generation(stream=True))
+    received = b""
+    while b"data: " not in received:
+        chunk = a.recv(65536)
+        assert chunk, received
+        received += chunk
+    assert running() == 1
+    # Before the first chunk: B waits in the engine's queue, its response not started (the router
+    # commits the answer only with its first chunk).
+    b = raw_post(router, "/v1/completions", long_generation(stream=True))
+    wait_until(lambda: waiting() == 1, 30, "B waits in the engine")
+    b.close()
+    wait_until(lambda: waiting() == 0, ABORT_BOUND_S, "B aborted while waiting")
+    assert running() == 1  # A is untouched
+    a.close()
+    wait_until(lambda: running() == 0, ABORT_BOUND_S, "A aborted mid-stream")
+    # Before the response's head: a non-streamed generation answers only at its end.
+    c = raw_post(router, "/v1/completions", long_generation(stream=False))
+    wait_until(lambda: running() == 1, 30, "C runs")
+    c.close()
+    wait_until(lambda: running() == 0 and waiting() == 0, ABORT_BOUND_S, "C aborted before its answer")
+    # The router counted all three, and holds nothing for them.
+    text = httpx.get(router + "/metrics", timeout=10).text
+    counted = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pagedserve_router_requests_total{") and 'status="client_disconnect"' in line
+    ]
+    assert sum(counted) == 3, text
+    assert router_backends(router)[engine]["in_flight"] == 0

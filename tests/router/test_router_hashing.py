@@ -173,3 +173,42 @@ def test_router_tokens_match_the_engine_tokenizer_of_the_default_model():
     text = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert h.chat_token_ids(msgs) == ref.encode(text, add_special_tokens=False)
     assert json.loads(Path(folder, "config.json").read_text())["vocab_size"] > max(h.chat_token_ids(msgs))
+
+
+def test_segment_cache_is_bounded_by_bytes(tiny_tokenizer):
+    """Long, distinct system prompts: the segment cache holds at most its byte budget, whatever the count
+    of entries (measured with tracemalloc, not with the cache's own accounting)."""
+    import gc
+    import tracemalloc
+
+    budget = 256 * 1024
+    h = PromptHasher(tiny_tokenizer, "tiny-model", block_size=16, segment_cache_bytes=budget)
+    assert h._split is not None  # the piecewise path, where the cache lives
+    rnd = random.Random(0)
+
+    def prompt(i: int) -> list[dict]:
+        text = f"tenant {i}: " + " ".join(f"rule{rnd.randrange(10**6)}" for _ in range(2000))  # ~25 KB
+        return [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+
+    prompts = [prompt(i) for i in range(40)]  # built before measuring: only the cache's growth counts
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for msgs in prompts:
+            h.chat_token_ids(msgs)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert h.segments.nbytes <= budget
+    assert held <= budget + 64 * 1024, held  # an entry-bounded cache kept all 40 (megabytes)
+    # Still a cache, and still exact: the last prompt's pieces are found again, with the same ids.
+    ids = h.chat_token_ids(prompts[-1])
+    ref = h.tokenizer.apply_chat_template(prompts[-1], tokenize=False, add_generation_prompt=True)
+    assert ids == h.tokenizer.encode(ref, add_special_tokens=False)
+    assert any(h.segments.get(piece) is not None for piece in h._split.split(ref) if len(piece) > 1000)
+    # A segment bigger than the whole budget is tokenized but not kept.
+    tiny = PromptHasher(tiny_tokenizer, "tiny-model", block_size=16, segment_cache_bytes=1024)
+    assert tiny.chat_token_ids(prompts[0]) == h.chat_token_ids(prompts[0])
+    assert tiny.segments.nbytes <= 1024

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -212,6 +213,24 @@ def test_refused_connection_is_retried_and_the_replica_leaves_the_ring(fleet):
     assert f.client.get("/health").json()["ready_backends"] == 2
 
 
+def test_failed_requests_teach_no_affinity(fleet):
+    """A replica that refused (4xx) or failed (5xx) a request cached nothing of it: the router must not
+    remember its blocks there, or the next requests of that prefix would chase a cache that is not."""
+    f = fleet(n=1)
+    b = f.backends[0].app
+
+    def indexed() -> int:
+        return f.client.get("/backends").json()[0]["indexed_blocks"]
+
+    b.api_key = "secret"
+    assert f.client.post("/v1/chat/completions", json=body(0, 0)).status_code == 401
+    b.api_key, b.fail_503 = None, 1  # one replica: the 503 cannot be retried elsewhere
+    assert f.client.post("/v1/chat/completions", json=body(0, 0)).status_code == 503
+    assert indexed() == 0
+    assert f.client.post("/v1/chat/completions", json=body(0, 0)).status_code == 200
+    assert indexed() > 0
+
+
 def test_no_ready_backend_gives_an_openai_error(fleet):
     dead = f"http://127.0.0.1:{free_port()}"
     f = fleet(n=0, extra_urls=[dead])
@@ -258,6 +277,43 @@ def test_client_disconnect_mid_stream_closes_the_upstream_request(fleet):
         time.sleep(0.05)
     assert metric_value(m, "pagedserve_router_requests_total", status="client_disconnect") == 1
     assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+
+
+def wait_for_metric(f: Fleet, name: str, value: float, timeout: float = 10, **labels) -> str:
+    deadline = time.monotonic() + timeout
+    while metric_value(m := f.metrics(), name, **labels) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric_value(m, name, **labels) == value, m
+    return m
+
+
+def test_client_leaving_while_the_router_connects_stops_the_attempt(fleet, raw_post):
+    """A replica whose accept queue is full never completes the connection: the router's attempt waits
+    out its connect timeout (60 s here) unless the client's departure stops it."""
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    filler = socket.create_connection(blackhole.getsockname())  # fills the queue: later SYNs are dropped
+    url = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
+    try:
+        f = fleet(n=0, extra_urls=[url], connect_timeout=60, unhealthy_after=1000)
+        client = raw_post(f.router.url, "/v1/chat/completions", body(0, 0))
+        wait_for_metric(f, "pagedserve_router_in_flight_requests", 1)
+        client.close()
+        m = wait_for_metric(f, "pagedserve_router_requests_total", 1, status="client_disconnect")
+        assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+    finally:
+        filler.close()
+        blackhole.close()
+
+
+def test_client_leaving_mid_request_body_forwards_nothing(fleet, raw_post):
+    f = fleet(n=1)
+    b = f.backends[0].app
+    client = raw_post(f.router.url, "/v1/chat/completions", body(0, 0), body_bytes=20)
+    client.close()  # 20 bytes of a longer body, then gone
+    wait_for_metric(f, "pagedserve_router_requests_total", 1, status="client_disconnect")
+    assert b.received == [] and b.stats.requests == 0  # a truncated body never reaches a replica
 
 
 def test_many_concurrent_streams(fleet):
