@@ -361,7 +361,7 @@ class RouterApp:
             return []
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
             return []  # the engine will answer 400
         try:
             return self.hasher.hashes_for(path, parsed)[0]

@@ -198,7 +198,7 @@ class FakeOpenAI:
             self._record(scope, path, body)
         try:
             gen = Generation.parse(path, json.loads(body), self.tokens)
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             await self._reply(send, 400, _error(f"bad request body: {exc}", 400, "invalid_request_error"))
             return
         self.stats.requests += 1

@@ -231,6 +231,14 @@ def test_failed_requests_teach_no_affinity(fleet):
     assert indexed() > 0
 
 
+def test_json_nested_past_the_parser_stack_is_forwarded_not_a_500(fleet):
+    """json.loads raises RecursionError (not ValueError) on deep nesting; the router hashed nothing and
+    crashed with a bare 500 before. It must forward the body and let the engine answer."""
+    f = fleet()
+    r = f.client.post("/v1/chat/completions", content=b"[" * 20000, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text  # the backend's answer
+
+
 def test_no_ready_backend_gives_an_openai_error(fleet):
     dead = f"http://127.0.0.1:{free_port()}"
     f = fleet(n=0, extra_urls=[dead])
