@@ -235,7 +235,8 @@ def test_json_nested_past_the_parser_stack_is_forwarded_not_a_500(fleet):
     """json.loads raises RecursionError (not ValueError) on deep nesting; the router hashed nothing and
     crashed with a bare 500 before. It must forward the body and let the engine answer."""
     f = fleet()
-    r = f.client.post("/v1/chat/completions", content=b"[" * 20000, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    r = f.client.post("/v1/chat/completions", content=b"[" * 20000, headers=headers)
     assert r.status_code == 400, r.text  # the backend's answer
 
 
