@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
 from pagedserve.operator.kube import Kube, KubeError
 from pagedserve.operator.resources import (
     CHILD_KINDS,
@@ -49,20 +50,39 @@ class SpecError(Exception):
     """The spec cannot be rendered (a permanent error until the spec changes)."""
 
 
-def contains(want: Any, have: Any) -> bool:
-    """Whether ``have`` holds every field of ``want`` with the same value (lists element by element)."""
+# Fields that hold Kubernetes quantities, which the API server stores in canonical form (1024Mi -> 1Gi,
+# 0.5 -> 500m, 2000m -> 2, the number 1 -> "1"): compared by value, or every resync would patch them
+# again. "requests" and "limits" are resource lists (every value a quantity; a PVC's storage too).
+QUANTITY_FIELDS = frozenset({"requests", "limits", "sizeLimit", "averageValue"})
+
+
+def same_quantity(want: Any, have: Any) -> bool:
+    try:
+        return bool(parse_quantity(want) == parse_quantity(have))
+    except (ValueError, TypeError):
+        return bool(want == have)
+
+
+def contains(want: Any, have: Any, *, quantity: bool = False) -> bool:
+    """Whether ``have`` holds every field of ``want`` with the same value (lists element by element).
+
+    ``quantity``: ``want`` is (or holds) quantities, equal when their values are, whatever their form.
+    """
     if isinstance(want, dict):
         return isinstance(have, dict) and all(
-            key in have and contains(value, have[key]) for key, value in want.items()
+            key in have and contains(value, have[key], quantity=quantity or key in QUANTITY_FIELDS)
+            for key, value in want.items()
         )
     if isinstance(want, list):
         return (
             isinstance(have, list)
             and len(want) == len(have)
-            and all(contains(w, h) for w, h in zip(want, have, strict=True))
+            and all(contains(w, h, quantity=quantity) for w, h in zip(want, have, strict=True))
         )
     if isinstance(want, bool) or isinstance(have, bool):  # True == 1 in Python, not in JSON
         return want is have
+    if quantity:
+        return same_quantity(want, have)
     return bool(want == have)
 
 
@@ -193,13 +213,3 @@ async def _delete_owned(
     if existing is None or not _owned(existing, meta.get("uid", ""), meta["name"]):
         return False
     return await kube.delete(api_version, plural, meta["namespace"], child)
-
-
-async def delete_children(kube: Kube, modeldeployment: dict[str, Any]) -> list[str]:
-    """Delete every child this ModelDeployment owns (the garbage collector would too, eventually)."""
-    with_podmonitor = await kube.served(*PODMONITOR_API)
-    deleted = []
-    for api_version, kind, child in potential_children(modeldeployment["metadata"]["name"]):
-        if await _delete_owned(kube, modeldeployment, api_version, kind, child, with_podmonitor):
-            deleted.append(f"{kind}/{child}")
-    return deleted
