@@ -11,8 +11,9 @@
   deleting a ModelDeployment never waits for the operator, even when the operator is down. The
   finalizer that earlier versions added is removed by kopf on the first event it sees (it still knows
   its name, ``pagedserve.io/finalizer``, and drops it because no handler requires it).
-- failures: a Warning Event on the ModelDeployment (reason InvalidSpec or ReconcileFailed), the
-  message in status (phase Failed, condition Reconciled=False), and a retry for temporary errors.
+- failures: a Warning Event on the ModelDeployment (reason InvalidSpec, Refused by the operator's
+  policy (operator/policy.py), or ReconcileFailed), the message in status (phase Failed, condition
+  Reconciled=False), and a retry for temporary errors.
 
 Importing this module registers the handlers in kopf's default registry.
 """
@@ -134,7 +135,7 @@ async def reconcile_named(namespace: str, name: str, logger: Any, *, raise_error
         try:
             result = await rec.reconcile(kube, md, STATE.options, logger)
         except rec.SpecError as error:
-            _report(md, "InvalidSpec", str(error))
+            _report(md, error.reason, str(error))
             if raise_errors:
                 raise kopf.PermanentError(str(error)) from error
             return None

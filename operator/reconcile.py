@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from kubernetes.utils.quantity import parse_quantity
 from pagedserve.operator.kube import Kube, KubeError
+from pagedserve.operator.policy import Policy, refusals
 from pagedserve.operator.resources import (
     CHILD_KINDS,
     DEFAULT_IMAGE,
@@ -35,6 +36,7 @@ PODMONITOR_API = ("monitoring.coreos.com/v1", "podmonitors")
 class Options:
     default_image: str = DEFAULT_IMAGE
     default_router_image: str = DEFAULT_ROUTER_IMAGE
+    policy: Policy = field(default_factory=Policy)
 
 
 @dataclass
@@ -48,6 +50,14 @@ class Result:
 
 class SpecError(Exception):
     """The spec cannot be rendered (a permanent error until the spec changes)."""
+
+    reason = "InvalidSpec"  # of the Warning Event
+
+
+class PolicyRefusal(SpecError):
+    """The spec asks for what the operator's policy refuses (operator/policy.py)."""
+
+    reason = "Refused"
 
 
 # Fields that hold Kubernetes quantities, which the API server stores in canonical form (1024Mi -> 1Gi,
@@ -153,12 +163,10 @@ async def reconcile(
             default_router_image=options.default_router_image,
         )
     except ValueError as error:  # pydantic.ValidationError is a ValueError
-        message = f"invalid spec: {format_validation_error(error)}"
-        status = compute_status(
-            modeldeployment, engine=None, router=None, replicas=0, router_replicas=0, error=message
-        )
-        await write_status(kube, modeldeployment, status)
-        raise SpecError(message) from error
+        await fail(kube, modeldeployment, SpecError(f"invalid spec: {format_validation_error(error)}"), error)
+    refused = refusals(spec, options.policy)
+    if refused:
+        await fail(kube, modeldeployment, PolicyRefusal(f"refused: {'; '.join(refused)}"))
 
     result = Result(status={})
     live: dict[str, dict[str, Any]] = {}
@@ -192,6 +200,17 @@ async def reconcile(
         if refs:
             logger.info(f"{verb} {', '.join(refs)}")
     return result
+
+
+async def fail(
+    kube: Kube, modeldeployment: dict[str, Any], error: SpecError, cause: Exception | None = None
+) -> NoReturn:
+    """Write a Failed status for a spec that cannot run, and raise ``error``: no child is touched."""
+    status = compute_status(
+        modeldeployment, engine=None, router=None, replicas=0, router_replicas=0, error=str(error)
+    )
+    await write_status(kube, modeldeployment, status)
+    raise error from cause
 
 
 async def write_status(kube: Kube, modeldeployment: dict[str, Any], status: dict[str, Any]) -> None:

@@ -425,3 +425,35 @@ async def test_normalised_quantities_cause_no_writes(
         writes_before = len(writes_to(emulator, paths))
         await asyncio.sleep(3)  # three resync rounds
         assert writes_to(emulator, paths)[writes_before:] == []
+
+
+async def test_secret_env_is_refused_with_no_objects(
+    cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
+) -> None:
+    """spec.env with a secretKeyRef (the chart does not allow it by default): a status and one Event say
+    why, and not one child is made."""
+    emulator, client = cluster
+    secret_env = [{"name": "DB", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}}]
+    md = modeldeployment("sneaky", env=secret_env)
+    (await client.post(MD_PATH, json=md)).raise_for_status()
+
+    async def failed() -> dict[str, Any] | None:
+        status = (await get(client, f"{MD_PATH}/sneaky") or {}).get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+
+    async def refused_events() -> list[dict[str, Any]]:
+        events = (await get(client, f"/api/v1/namespaces/{NS}/events") or {}).get("items", [])
+        return [e for e in events if e.get("reason") == "Refused" and e["involvedObject"]["name"] == "sneaky"]
+
+    async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "refused"):
+        status = await eventually(failed, what="phase Failed for the refused spec")
+        reconciled = {c["type"]: c for c in status["conditions"]}["Reconciled"]
+        assert reconciled["status"] == "False" and "spec.env[0] (DB)" in reconciled["message"]
+        (event,) = await eventually(refused_events, what="a Refused Event")
+        assert event["type"] == "Warning" and "secretKeyRef" in event["message"]
+        await asyncio.sleep(2.5)  # resync rounds: still nothing made, no new Events
+        assert len(await refused_events()) == 1
+    for manifest in render(md):
+        assert await get(client, child_path(manifest)) is None, manifest["kind"]
+    made = [path for method, path in emulator.log if method == "POST" and path != MD_PATH]
+    assert all(path.endswith("/events") for path in made), made
