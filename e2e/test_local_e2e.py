@@ -96,15 +96,18 @@ def strip_address_flags(args: list[str]) -> list[str]:
 
 
 def local_env(container: dict[str, Any], workdir: Path) -> dict[str, str]:
-    """The container's env on this machine: mount paths -> a folder here, Secret references -> values."""
+    """The container's env on this machine: paths on mounts -> folders here, Secret references -> values."""
     mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "HF_"))}
     for item in container["env"]:
         if "valueFrom" in item:
             ref = item["valueFrom"]["secretKeyRef"]
             env[item["name"]] = SECRETS[(ref["name"], ref["key"])]
-        elif item["value"] in mounts:
-            local = workdir / item["value"].strip("/").replace("/", "_")
+        elif mount := max(
+            (m for m in mounts if f"{item['value']}/".startswith(f"{m}/")), key=len, default=None
+        ):
+            # a path on a mount (HOME=/tmp, XDG_CACHE_HOME=/tmp/.cache): the same path in its folder here
+            local = workdir / mount.strip("/").replace("/", "_") / item["value"][len(mount) :].lstrip("/")
             local.mkdir(parents=True, exist_ok=True)
             env[item["name"]] = str(local)
         else:
