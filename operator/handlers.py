@@ -98,8 +98,9 @@ def _login(settings: kopf.OperatorSettings, logger: Any, **kwargs: Any) -> kopf.
 @kopf.on.cleanup()
 async def _cleanup(**_: Any) -> None:
     STATE.stopping.set()
-    if STATE.resync_task is not None:
-        await STATE.resync_task
+    if STATE.resync_task is not None:  # a round in progress is cut short: reconciling is idempotent
+        STATE.resync_task.cancel()
+        await asyncio.gather(STATE.resync_task, return_exceptions=True)
     if STATE.kube is not None:
         await STATE.kube.aclose()
 

@@ -360,7 +360,11 @@ async def test_deletion_never_waits_for_the_operator(
     cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
 ) -> None:
     """No finalizer on ModelDeployments, and the one earlier versions added is removed: deleting one
-    while the operator is down completes at once (kmock keeps objects with finalizers, as the API does)."""
+    while the operator is down completes at once (kmock keeps objects with finalizers, as the API does).
+
+    kmock never bumps resourceVersion, so kopf's second, duplicate removal patch passes its
+    resourceVersion test and fails on the missing field (logged as retried errors); the API server
+    would answer it with a conflict."""
     _, client = cluster
     legacy = modeldeployment("legacy")
     legacy["metadata"]["finalizers"] = ["pagedserve.io/finalizer"]  # left by an earlier operator version
