@@ -174,7 +174,9 @@ async def resync_loop() -> None:
     """Drift repair and status refresh: reconcile every known ModelDeployment every resync_seconds.
 
     One loop for the operator rather than a kopf daemon per object: kopf puts a finalizer on every object
-    that has a daemon, and a finalizer makes deletion wait for a running operator.
+    that has a daemon, and a finalizer makes deletion wait for a running operator. Unlike kopf's daemons,
+    the loop also runs in a replica that peering paused (after it saw the objects while active): harmless,
+    as a reconcile writes only what drifted and a lost create race is compared, not failed (reconcile.py).
     """
     logger = logging.getLogger("pagedserve.operator.resync")
     while not STATE.stopping.is_set():
