@@ -4,7 +4,9 @@ A CPU ModelDeployment of the embedded model is rendered; the engine and router c
 args and env are started as they are, with only what a cluster provides rewritten: listen addresses and
 ports (127.0.0.1, free ports), the router's Kubernetes discovery (``--k8s-service/--namespace/
 --target-port`` becomes ``--backend http://127.0.0.1:PORT``), volume mount paths (a temporary folder) and
-Secret references (their values). The OpenAI client then asks the router for the capital of France.
+Secret references (their values). Where the machine allows (pagedserve/testing/sandbox.py), each runs
+with a read-only root filesystem and only that folder writable, as in its pod. The OpenAI client then
+asks the router for the capital of France.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 import pytest
 from pagedserve.operator import render
 
+from pagedserve.testing import sandbox
 from pagedserve.testing.net import free_port
 from pagedserve.testing.processes import ServerProcess
 
@@ -96,15 +99,18 @@ def strip_address_flags(args: list[str]) -> list[str]:
 
 
 def local_env(container: dict[str, Any], workdir: Path) -> dict[str, str]:
-    """The container's env on this machine: mount paths -> a folder here, Secret references -> values."""
+    """The container's env on this machine: paths on mounts -> folders here, Secret references -> values."""
     mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "HF_"))}
     for item in container["env"]:
         if "valueFrom" in item:
             ref = item["valueFrom"]["secretKeyRef"]
             env[item["name"]] = SECRETS[(ref["name"], ref["key"])]
-        elif item["value"] in mounts:
-            local = workdir / item["value"].strip("/").replace("/", "_")
+        elif mount := max(
+            (m for m in mounts if f"{item['value']}/".startswith(f"{m}/")), key=len, default=None
+        ):
+            # a path on a mount (HOME=/tmp, XDG_CACHE_HOME=/tmp/.cache): the same path in its folder here
+            local = workdir / mount.strip("/").replace("/", "_") / item["value"][len(mount) :].lstrip("/")
             local.mkdir(parents=True, exist_ok=True)
             env[item["name"]] = str(local)
         else:
@@ -129,8 +135,11 @@ def processes() -> Iterator[list[ServerProcess]]:
 def start(
     container: dict[str, Any], args: list[str], port: int, ready_path: str, workdir: Path
 ) -> ServerProcess:
+    argv = executable(container["command"]) + args
+    if sandbox.available():  # as in the pod: a read-only root, writes only to the volumes (in workdir)
+        argv = sandbox.read_only_root(argv, [workdir])
     return ServerProcess(
-        argv=executable(container["command"]) + args,
+        argv=argv,
         log_path=workdir / f"{container['name']}.log",
         env=local_env(container, workdir),
         cwd=workdir,

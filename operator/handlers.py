@@ -1,14 +1,19 @@
 """kopf wiring: when to reconcile a ModelDeployment, and how failures are reported.
 
 - create / update / resume: reconcile (apply children, write status).
-- a daemon per ModelDeployment re-reconciles every ``resync_seconds``: drift repair for every kind of
-  child (a deleted or edited Service, Role, PVC... comes back) and fresh status.
+- one operator-wide loop re-reconciles every watched ModelDeployment every ``resync_seconds``: drift
+  repair for every kind of child (a deleted or edited Service, Role, PVC... comes back) and fresh status.
 - events on the children Deployments (labelled managed-by pagedserve-operator): reconcile the owner at
   once, so readiness shows in the status and a deleted Deployment is recreated without waiting.
-- delete: remove the children (best effort; their ownerReferences let the garbage collector finish),
-  never failing, so the finalizer always goes.
-- failures: a Warning Event on the ModelDeployment (reason InvalidSpec or ReconcileFailed), the
-  message in status (phase Failed, condition Reconciled=False), and a retry for temporary errors.
+- delete: nothing to do. Every child is namespaced beside its ModelDeployment and carries its
+  ownerReference, so the garbage collector removes them. No handler here needs a finalizer (kopf adds one
+  for @kopf.on.delete handlers that are not optional, and for every @kopf.daemon and @kopf.timer), so
+  deleting a ModelDeployment never waits for the operator, even when the operator is down. The
+  finalizer that earlier versions added is removed by kopf on the first event it sees (it still knows
+  its name, ``pagedserve.io/finalizer``, and drops it because no handler requires it).
+- failures: a Warning Event on the ModelDeployment (reason InvalidSpec, Refused by the operator's
+  policy (operator/policy.py), or ReconcileFailed), the message in status (phase Failed, condition
+  Reconciled=False), and a retry for temporary errors.
 
 Importing this module registers the handlers in kopf's default registry.
 """
@@ -35,7 +40,10 @@ class _State:
         self.options = rec.Options()
         self.resync_seconds = 60.0
         self.locks: dict[tuple[str, str], asyncio.Lock] = {}
-        # Set on cleanup: daemons kopf spawns while it is already stopping exit at once too.
+        # (namespace, name) of every ModelDeployment in the watched namespaces: what the resync loop visits.
+        self.known: set[tuple[str, str]] = set()
+        self.resync_task: asyncio.Task[None] | None = None
+        # Set on cleanup: the resync loop stops at once.
         self.stopping = asyncio.Event()
 
 
@@ -50,15 +58,6 @@ def configure(*, options: rec.Options | None = None, resync_seconds: float | Non
         STATE.resync_seconds = resync_seconds
 
 
-def _plain(value: Any) -> Any:
-    """kopf's body views -> plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
-
-
 def _kube() -> Kube:
     if STATE.kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=1)
@@ -69,12 +68,14 @@ def _kube() -> Kube:
 
 
 @kopf.on.startup()
-def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # No handler requires a finalizer; naming it lets kopf remove the one earlier versions added.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
+    STATE.resync_task = asyncio.create_task(resync_loop())
 
 
 @kopf.on.login()
@@ -97,6 +98,9 @@ def _login(settings: kopf.OperatorSettings, logger: Any, **kwargs: Any) -> kopf.
 @kopf.on.cleanup()
 async def _cleanup(**_: Any) -> None:
     STATE.stopping.set()
+    if STATE.resync_task is not None:  # a round in progress is cut short: reconciling is idempotent
+        STATE.resync_task.cancel()
+        await asyncio.gather(STATE.resync_task, return_exceptions=True)
     if STATE.kube is not None:
         await STATE.kube.aclose()
 
@@ -132,7 +136,7 @@ async def reconcile_named(namespace: str, name: str, logger: Any, *, raise_error
         try:
             result = await rec.reconcile(kube, md, STATE.options, logger)
         except rec.SpecError as error:
-            _report(md, "InvalidSpec", str(error))
+            _report(md, error.reason, str(error))
             if raise_errors:
                 raise kopf.PermanentError(str(error)) from error
             return None
@@ -156,19 +160,38 @@ async def apply(namespace: str, name: str, logger: Any, **_: Any) -> None:
     await reconcile_named(namespace, name, logger, raise_errors=True)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def resync(namespace: str, name: str, logger: Any, **_: Any) -> None:
-    """Drift repair and status refresh: reconcile every resync_seconds until the object or operator goes."""
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def track(event: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
+    """Keep the set of ModelDeployments the resync loop visits (kopf lists and watches them for us)."""
+    if event.get("type") == "DELETED":
+        STATE.known.discard((namespace, name))
+        STATE.locks.pop((namespace, name), None)
+    else:
+        STATE.known.add((namespace, name))
+
+
+async def resync_loop() -> None:
+    """Drift repair and status refresh: reconcile every known ModelDeployment every resync_seconds.
+
+    One loop for the operator rather than a kopf daemon per object: kopf puts a finalizer on every object
+    that has a daemon, and a finalizer makes deletion wait for a running operator. Unlike kopf's daemons,
+    the loop also runs in a replica that peering paused (after it saw the objects while active): harmless,
+    as a reconcile writes only what drifted and a lost create race is compared, not failed (reconcile.py).
+    """
+    logger = logging.getLogger("pagedserve.operator.resync")
     while not STATE.stopping.is_set():
         try:
             await asyncio.wait_for(STATE.stopping.wait(), STATE.resync_seconds)
             break
         except asyncio.TimeoutError:
             pass
-        try:
-            await reconcile_named(namespace, name, logger, raise_errors=False)
-        except Exception as error:  # keep the loop alive; the next round retries
-            logger.warning(f"resync failed: {error}")
+        results = await asyncio.gather(
+            *(reconcile_named(ns, name, logger, raise_errors=False) for ns, name in sorted(STATE.known)),
+            return_exceptions=True,
+        )
+        for error in results:
+            if isinstance(error, BaseException):  # the next round retries
+                logger.warning(f"resync failed: {error}")
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGER})
@@ -180,18 +203,3 @@ async def child_deployment_changed(body: Any, namespace: str, logger: Any, **_: 
                 await reconcile_named(namespace, ref["name"], logger, raise_errors=False)
             except KubeError as error:
                 logger.warning(f"reconcile of {ref['name']} after a child change failed: {error}")
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL)
-async def delete(body: Any, namespace: str, name: str, logger: Any, **_: Any) -> None:
-    md = _plain(body)
-    try:
-        async with STATE.locks.setdefault((namespace, name), asyncio.Lock()):
-            deleted = await rec.delete_children(_kube(), md)
-        if deleted:
-            logger.info(f"deleted {', '.join(deleted)}")
-    except (KubeError, kopf.TemporaryError) as error:
-        # Never block the finalizer: the children's ownerReferences let the garbage collector finish.
-        logger.warning(f"could not delete every child ({error}); leaving them to the garbage collector")
-    finally:
-        STATE.locks.pop((namespace, name), None)

@@ -34,6 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"router image when spec.router.image is unset (default {DEFAULT_ROUTER_IMAGE})",
     )
     parser.add_argument(
+        "--allow-secret-env",
+        action="store_true",
+        default=os.environ.get("PAGEDSERVE_OPERATOR_ALLOW_SECRET_ENV", "").lower() in ("1", "true"),
+        help="accept spec.env entries with valueFrom.secretKeyRef (default: refuse them; operator/policy.py)",
+    )
+    parser.add_argument(
+        "--allowed-image-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="spec.image and spec.router.image must start with one of these (repeatable; default: any image)",
+    )
+    parser.add_argument(
         "--liveness",
         metavar="URL",
         default=os.environ.get("PAGEDSERVE_OPERATOR_LIVENESS"),
@@ -55,13 +68,21 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
     from pagedserve.operator import handlers
+    from pagedserve.operator.policy import Policy
     from pagedserve.operator.reconcile import Options
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
     if not args.debug:  # one line per API call is kopf's --debug level, not --verbose
         logging.getLogger("httpx").setLevel(logging.WARNING)
     handlers.configure(
-        options=Options(default_image=args.default_image, default_router_image=args.default_router_image),
+        options=Options(
+            default_image=args.default_image,
+            default_router_image=args.default_router_image,
+            policy=Policy(
+                allow_secret_env=args.allow_secret_env,
+                allowed_image_prefixes=tuple(args.allowed_image_prefix),
+            ),
+        ),
         resync_seconds=args.resync_seconds,
     )
     asyncio.run(

@@ -39,9 +39,10 @@ def child_rules() -> list[dict[str, Any]]:
 
 def operator_rules() -> list[dict[str, Any]]:
     return [
-        # ModelDeployments: kopf lists, watches and patches them (finalizer, its annotations); the
-        # operator reads one before each reconcile and writes its status. Children carry ownerReferences
-        # with blockOwnerDeletion, which needs update on the owner's finalizers subresource.
+        # ModelDeployments: kopf lists, watches and patches them (its annotations, and it removes the
+        # finalizer earlier versions added); the operator reads one before each reconcile and writes its
+        # status. Children carry ownerReferences with blockOwnerDeletion, which needs update on the
+        # owner's finalizers subresource.
         _rule(GROUP, [PLURAL], ["get", "list", "watch", "patch"]),
         _rule(GROUP, [f"{PLURAL}/status"], ["get", "patch"]),
         _rule(GROUP, [f"{PLURAL}/finalizers"], ["update"]),

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
+from kubernetes.utils.quantity import parse_quantity
 from pagedserve.operator.kube import Kube, KubeError
+from pagedserve.operator.policy import Policy, refusals
 from pagedserve.operator.resources import (
     CHILD_KINDS,
     DEFAULT_IMAGE,
@@ -34,6 +36,7 @@ PODMONITOR_API = ("monitoring.coreos.com/v1", "podmonitors")
 class Options:
     default_image: str = DEFAULT_IMAGE
     default_router_image: str = DEFAULT_ROUTER_IMAGE
+    policy: Policy = field(default_factory=Policy)
 
 
 @dataclass
@@ -48,21 +51,48 @@ class Result:
 class SpecError(Exception):
     """The spec cannot be rendered (a permanent error until the spec changes)."""
 
+    reason = "InvalidSpec"  # of the Warning Event
 
-def contains(want: Any, have: Any) -> bool:
-    """Whether ``have`` holds every field of ``want`` with the same value (lists element by element)."""
+
+class PolicyRefusal(SpecError):
+    """The spec asks for what the operator's policy refuses (operator/policy.py)."""
+
+    reason = "Refused"
+
+
+# Fields that hold Kubernetes quantities, which the API server stores in canonical form (1024Mi -> 1Gi,
+# 0.5 -> 500m, 2000m -> 2, the number 1 -> "1"): compared by value, or every resync would patch them
+# again. "requests" and "limits" are resource lists (every value a quantity; a PVC's storage too).
+QUANTITY_FIELDS = frozenset({"requests", "limits", "sizeLimit", "averageValue"})
+
+
+def same_quantity(want: Any, have: Any) -> bool:
+    try:
+        return bool(parse_quantity(want) == parse_quantity(have))
+    except (ValueError, TypeError):
+        return bool(want == have)
+
+
+def contains(want: Any, have: Any, *, quantity: bool = False) -> bool:
+    """Whether ``have`` holds every field of ``want`` with the same value (lists element by element).
+
+    ``quantity``: ``want`` is (or holds) quantities, equal when their values are, whatever their form.
+    """
     if isinstance(want, dict):
         return isinstance(have, dict) and all(
-            key in have and contains(value, have[key]) for key, value in want.items()
+            key in have and contains(value, have[key], quantity=quantity or key in QUANTITY_FIELDS)
+            for key, value in want.items()
         )
     if isinstance(want, list):
         return (
             isinstance(have, list)
             and len(want) == len(have)
-            and all(contains(w, h) for w, h in zip(want, have, strict=True))
+            and all(contains(w, h, quantity=quantity) for w, h in zip(want, have, strict=True))
         )
     if isinstance(want, bool) or isinstance(have, bool):  # True == 1 in Python, not in JSON
         return want is have
+    if quantity:
+        return same_quantity(want, have)
     return bool(want == have)
 
 
@@ -133,12 +163,10 @@ async def reconcile(
             default_router_image=options.default_router_image,
         )
     except ValueError as error:  # pydantic.ValidationError is a ValueError
-        message = f"invalid spec: {format_validation_error(error)}"
-        status = compute_status(
-            modeldeployment, engine=None, router=None, replicas=0, router_replicas=0, error=message
-        )
-        await write_status(kube, modeldeployment, status)
-        raise SpecError(message) from error
+        await fail(kube, modeldeployment, SpecError(f"invalid spec: {format_validation_error(error)}"), error)
+    refused = refusals(spec, options.policy)
+    if refused:
+        await fail(kube, modeldeployment, PolicyRefusal(f"refused: {'; '.join(refused)}"))
 
     result = Result(status={})
     live: dict[str, dict[str, Any]] = {}
@@ -174,6 +202,17 @@ async def reconcile(
     return result
 
 
+async def fail(
+    kube: Kube, modeldeployment: dict[str, Any], error: SpecError, cause: Exception | None = None
+) -> NoReturn:
+    """Write a Failed status for a spec that cannot run, and raise ``error``: no child is touched."""
+    status = compute_status(
+        modeldeployment, engine=None, router=None, replicas=0, router_replicas=0, error=str(error)
+    )
+    await write_status(kube, modeldeployment, status)
+    raise error from cause
+
+
 async def write_status(kube: Kube, modeldeployment: dict[str, Any], status: dict[str, Any]) -> None:
     if not status_changed(modeldeployment.get("status"), status):
         return
@@ -193,13 +232,3 @@ async def _delete_owned(
     if existing is None or not _owned(existing, meta.get("uid", ""), meta["name"]):
         return False
     return await kube.delete(api_version, plural, meta["namespace"], child)
-
-
-async def delete_children(kube: Kube, modeldeployment: dict[str, Any]) -> list[str]:
-    """Delete every child this ModelDeployment owns (the garbage collector would too, eventually)."""
-    with_podmonitor = await kube.served(*PODMONITOR_API)
-    deleted = []
-    for api_version, kind, child in potential_children(modeldeployment["metadata"]["name"]):
-        if await _delete_owned(kube, modeldeployment, api_version, kind, child, with_podmonitor):
-            deleted.append(f"{kind}/{child}")
-    return deleted

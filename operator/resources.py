@@ -35,6 +35,27 @@ ROUTER_PORT = 8000
 SERVICE_PORT = 80
 HF_HOME = "/cache/huggingface"
 MODEL_PVC_MOUNT = "/model-pvc"
+# The user and group of both images (Dockerfile: `useradd --uid 10001`). Set in the pods too, so that a
+# namespace enforcing PodSecurity "restricted" admits them and fsGroup makes the cache volume theirs.
+RUN_AS_USER = 10001
+# Everything the processes write, other than HF_HOME (the cache volume) and /dev/shm, goes to an emptyDir
+# at /tmp: the root filesystem is read-only. Set here, not only in the Dockerfile, so that a custom
+# spec.image behaves the same.
+TMP = "/tmp"
+WRITABLE_ENV = {
+    "HOME": TMP,
+    "TMPDIR": TMP,
+    # server/loader/default_model.py converts the embedded model into $XDG_CACHE_HOME/pagedserve.
+    "XDG_CACHE_HOME": f"{TMP}/.cache",
+}
+# The engine compiles kernels at startup: Triton (kernels/*.py), torch's C++ extensions (kernels/cpu.py)
+# and torch.compile, each into its own cache.
+ENGINE_WRITABLE_ENV = {
+    "TRITON_HOME": TMP,
+    "TRITON_CACHE_DIR": f"{TMP}/triton-cache",
+    "TORCH_EXTENSIONS_DIR": f"{TMP}/.cache/torch_extensions",
+    "TORCHINDUCTOR_CACHE_DIR": f"{TMP}/torchinductor",
+}
 
 # The images a ModelDeployment gets when it names none: the engine (Dockerfile target `server`)
 # and the slim router/operator image (target `control`). `pagedserve operator` can override both.
@@ -204,8 +225,9 @@ class _Context:
     def secret_env(self, var: str, secret: Any) -> dict[str, Any]:
         return {"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
 
-    def common_env(self, *api_key_vars: str) -> list[dict[str, Any]]:
+    def common_env(self, writable: dict[str, str], *api_key_vars: str) -> list[dict[str, Any]]:
         env = [{"name": "HF_HOME", "value": HF_HOME}]
+        env += [{"name": name, "value": value} for name, value in writable.items()]
         if self.spec.hf_token_secret is not None:
             env.append(self.secret_env("HF_TOKEN", self.spec.hf_token_secret))
         if self.spec.api_key_secret is not None:
@@ -237,13 +259,30 @@ class _Context:
         }
 
     def pod_common(self) -> dict[str, Any]:
-        pod: dict[str, Any] = {}
+        pod: dict[str, Any] = {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                # The cache PVC holds tens of GB of weights: relabel it only when its root is not ours yet.
+                "fsGroup": RUN_AS_USER,
+                "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"},
+            }
+        }
         if self.spec.image_pull_secrets:
             pod["imagePullSecrets"] = [{"name": ref.name} for ref in self.spec.image_pull_secrets]
         return pod
 
     def container_common(self, image: str) -> dict[str, Any]:
-        container: dict[str, Any] = {"image": image}
+        container: dict[str, Any] = {
+            "image": image,
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
+        }
         if self.spec.image_pull_policy:
             container["imagePullPolicy"] = self.spec.image_pull_policy
         return container
@@ -294,7 +333,7 @@ class _Context:
             **self.container_common(self.image),
             "command": ["pagedserve", "serve"],
             "args": self.engine_args(),
-            "env": self.common_env("PAGEDSERVE_API_KEY")
+            "env": self.common_env({**WRITABLE_ENV, **ENGINE_WRITABLE_ENV}, "PAGEDSERVE_API_KEY")
             + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "resources": {"requests": requests, "limits": limits},
@@ -324,16 +363,20 @@ class _Context:
             cache_volume = {"name": "cache", "emptyDir": {}}
         volumes = [
             cache_volume,
+            {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": res.shm_size}},
             *model_volumes,
         ]
         container["volumeMounts"] = [
             {"name": "cache", "mountPath": HF_HOME},
+            {"name": "tmp", "mountPath": TMP},
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model_mounts,
         ]
         pod_spec: dict[str, Any] = {
             **self.pod_common(),
+            # The engine never calls the Kubernetes API: no service account token in its pods.
+            "automountServiceAccountToken": False,
             "containers": [container],
             "volumes": volumes,
             "terminationGracePeriodSeconds": 60,
@@ -402,8 +445,11 @@ class _Context:
         router = self.spec.router
         health = {"path": "/health", "port": "http"}
         ready = {"path": "/ready", "port": "http"}  # 503 until an engine replica is ready
-        volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}]
-        mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": HF_HOME}]
+        volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+        mounts: list[dict[str, Any]] = [
+            {"name": "cache", "mountPath": HF_HOME},
+            {"name": "tmp", "mountPath": TMP},
+        ]
         if not router.tokenizer:  # the router reads the tokenizer from the model's own place
             model_volumes, model_mounts = self.model_volumes()
             volumes += model_volumes
@@ -415,7 +461,7 @@ class _Context:
             "args": self.router_args(),
             # The router passes clients' Authorization on to the engines, and with the same key checks
             # it itself at the edge (PAGEDSERVE_ROUTER_API_KEY), before tokenizing or proxying.
-            "env": self.common_env("PAGEDSERVE_API_KEY", "PAGEDSERVE_ROUTER_API_KEY"),
+            "env": self.common_env(WRITABLE_ENV, "PAGEDSERVE_API_KEY", "PAGEDSERVE_ROUTER_API_KEY"),
             "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
             "resources": {
                 "requests": {"cpu": router.resources.cpu, "memory": router.resources.memory},

@@ -160,7 +160,10 @@ class Router(CamelModel):
     image: str | None = Field(
         None,
         min_length=1,
-        description="Router image (default chosen by the operator, the slim `control` image).",
+        description=(
+            "Router image (default chosen by the operator, the slim `control` image). Must start with one"
+            " of the operator's allowed image prefixes, when it has some (--allowed-image-prefix)."
+        ),
     )
     tokenizer: str | None = Field(
         None, min_length=1, description="Where the router loads the tokenizer from (default the model)."
@@ -243,7 +246,8 @@ class Toleration(CamelModel):
 
 
 class EnvVar(CamelModel):
-    """A Kubernetes core/v1 EnvVar for the engine container; valueFrom is passed through as written."""
+    """A Kubernetes core/v1 EnvVar for the engine container; valueFrom is passed through as written,
+    except secretKeyRef, which the operator's policy refuses unless allowed (operator/policy.py)."""
 
     name: str = Field(min_length=1)
     value: str | None = None
@@ -273,7 +277,10 @@ class ModelDeploymentSpec(CamelModel):
     image: str | None = Field(
         None,
         min_length=1,
-        description="Engine image (default chosen by the operator, the `server` image target).",
+        description=(
+            "Engine image (default chosen by the operator, the `server` image target). Must start with one"
+            " of the operator's allowed image prefixes, when it has some (--allowed-image-prefix)."
+        ),
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
@@ -298,7 +305,11 @@ class ModelDeploymentSpec(CamelModel):
     pod_annotations: dict[str, str] = Field(default_factory=dict)
     env: list[EnvVar] = Field(
         default_factory=list,
-        description="Extra environment variables for the engine container (Kubernetes EnvVar objects).",
+        description=(
+            "Extra environment variables for the engine container (Kubernetes EnvVar objects)."
+            " valueFrom.secretKeyRef is refused unless the operator allows it (--allow-secret-env):"
+            " Secrets reach the pods through hfTokenSecret and apiKeySecret."
+        ),
     )
 
     @field_validator("model")

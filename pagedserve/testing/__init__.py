@@ -12,4 +12,6 @@ with no ``sys.path`` edits). Importing it never imports torch: the router's test
 - tiny_tokenizer.py: a byte-level tokenizer folder with a chat template (no hub, no torch)
 - kubeconfig.py: ``kubeconfig_env()``, a child's environment pointed at a local Kubernetes API (kmock)
 - openapi_fuzz.py: ``fuzz_openapi()``, schemathesis over a live server's /openapi.json
+- pod_security.py: ``restricted_violations()``, the Pod Security Standards "restricted" profile
+- sandbox.py: ``read_only_root()``, a process with a pod's read-only root filesystem (mount namespaces)
 """

@@ -57,3 +57,18 @@ def test_dockerignore_keeps_local_state_out() -> None:
     for sources in copied:
         for src in sources.split():
             assert src.rstrip("/") in allowed, f"{src} is copied but .dockerignore leaves it out"
+
+
+def test_pods_run_as_the_images_user() -> None:
+    """The operator's pods and the chart's operator pod name the uid/gid the images create."""
+    import yaml
+    from pagedserve.operator.resources import RUN_AS_USER
+
+    from pagedserve.testing.helm import CHART
+
+    for name in ("server", "control"):
+        body = stages()[name]
+        assert f"useradd --uid {RUN_AS_USER} --gid {RUN_AS_USER}" in body, name
+        assert re.findall(r"^USER\s+(\S+)", body, re.MULTILINE)[-1] == f"{RUN_AS_USER}:{RUN_AS_USER}"
+    pod = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]["podSecurityContext"]
+    assert pod["runAsUser"] == pod["runAsGroup"] == pod["fsGroup"] == RUN_AS_USER

@@ -35,6 +35,7 @@ NON_DEFAULT = {
         "imagePullSecrets": [{"name": "regcred"}],
         "watchNamespaces": ["ml", "ml-staging"],
         "verbose": True,
+        "policy": {"allowSecretEnv": True, "allowedImagePrefixes": ["registry.internal/ml/", "ghcr.io/x/"]},
         "extraArgs": ["--resync-seconds=30"],
         "env": [{"name": "EXTRA", "value": "1"}],
         "defaults": {"engineImage": "registry.internal/ml/pagedserve:9.9.9", "routerImage": "r/x:1"},
@@ -146,6 +147,9 @@ def test_operator_deployment_follows_values() -> None:
         "--peering=pagedserve",
         "--default-image=registry.internal/ml/pagedserve:9.9.9",
         "--default-router-image=r/x:1",
+        "--allow-secret-env",
+        "--allowed-image-prefix=registry.internal/ml/",
+        "--allowed-image-prefix=ghcr.io/x/",
         "--verbose",
         "--resync-seconds=30",
     ]

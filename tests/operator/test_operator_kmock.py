@@ -223,7 +223,8 @@ async def test_operator_lifecycle(cluster: tuple[Emulator, httpx.AsyncClient], t
         status = await eventually(md_status, what="a status")
         assert status["phase"] == "Pending"
         assert status["endpoint"] == "http://m1.ml.svc/v1"
-        assert (await get(client, f"{MD_PATH}/m1"))["metadata"]["finalizers"] == ["pagedserve.io/finalizer"]
+        # no finalizer: deleting never waits for the operator (the children's ownerReferences suffice)
+        assert not (await get(client, f"{MD_PATH}/m1"))["metadata"].get("finalizers")
 
         # change replicas (as the HPA would, through the spec) -> the engine Deployment follows.
         engine_path = f"/apis/apps/v1/namespaces/{NS}/deployments/m1-engine"
@@ -291,18 +292,14 @@ async def test_operator_lifecycle(cluster: tuple[Emulator, httpx.AsyncClient], t
         assert writes_to(emulator, paths)[writes_before:] == []
         assert {path: await get(client, path) for path in paths} == before
 
-        # delete the ModelDeployment -> the finalizer is released once, the children are removed.
+        # delete the ModelDeployment -> gone at once; the garbage collector (which kmock lacks) removes
+        # the children through their ownerReferences, and the operator no longer reconciles it.
         (await client.delete(f"{MD_PATH}/m1")).raise_for_status()
-
-        async def gone() -> bool:
-            return await get(client, f"{MD_PATH}/m1") is None
-
-        await eventually(gone, what="the ModelDeployment released by its finalizer")
-        for path in paths:
-            assert await get(client, path) is None, path
+        assert await get(client, f"{MD_PATH}/m1") is None
+        writes_before = len(writes_to(emulator, paths))
         await asyncio.sleep(2)
+        assert writes_to(emulator, paths)[writes_before:] == []
         text = log.read_text()
-        assert text.count("Handler 'delete' succeeded") == 1, text
         assert "Traceback" not in text and "[ERROR" not in text, text
     first = (tmp_path / "operator-first.log").read_text()
     assert "Traceback" not in first, first
@@ -357,3 +354,110 @@ async def test_failures_are_reported(cluster: tuple[Emulator, httpx.AsyncClient]
         await asyncio.sleep(2.5)  # resync rounds meet the same failures: no new Events, no storm
         assert len(await warnings("InvalidSpec", "bad")) == 1
         assert len(await warnings("ReconcileFailed", "partial")) == 1
+
+
+async def test_deletion_never_waits_for_the_operator(
+    cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
+) -> None:
+    """No finalizer on ModelDeployments, and the one earlier versions added is removed: deleting one
+    while the operator is down completes at once (kmock keeps objects with finalizers, as the API does).
+
+    kmock never bumps resourceVersion, so kopf's second, duplicate removal patch passes its
+    resourceVersion test and fails on the missing field (logged as retried errors); the API server
+    would answer it with a conflict."""
+    _, client = cluster
+    legacy = modeldeployment("legacy")
+    legacy["metadata"]["finalizers"] = ["pagedserve.io/finalizer"]  # left by an earlier operator version
+    for md in (modeldeployment("fresh"), legacy):
+        (await client.post(MD_PATH, json=md)).raise_for_status()
+
+    async def reconciled(name: str) -> bool:
+        md = await get(client, f"{MD_PATH}/{name}") or {}
+        engine = await get(client, f"/apis/apps/v1/namespaces/{NS}/deployments/{name}-engine")
+        return bool(engine and (md.get("status") or {}).get("phase") and not md["metadata"].get("finalizers"))
+
+    async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "finalizers") as log:
+        for name in ("fresh", "legacy"):
+            await eventually(lambda name=name: reconciled(name), what=f"{name} reconciled, no finalizer")
+        await eventually(lambda: _log_has(log, "Handler 'apply' succeeded"), what="the apply handler")
+        await asyncio.sleep(1.5)  # resync rounds too: nothing puts a finalizer back
+
+    for name in ("fresh", "legacy"):
+        assert not (await get(client, f"{MD_PATH}/{name}"))["metadata"].get("finalizers"), name
+        (await client.delete(f"{MD_PATH}/{name}")).raise_for_status()
+        assert await get(client, f"{MD_PATH}/{name}") is None, f"{name} waits for a finalizer"
+
+
+async def test_normalised_quantities_cause_no_writes(
+    cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
+) -> None:
+    """The API server stores quantities canonically (1024Mi -> 1Gi): the drift check must not see a change."""
+    emulator, client = cluster
+    md = modeldeployment(
+        "q", resources={"gpus": 1, "cpu": "1500m", "memory": "1024Mi", "shmSize": "0.5Gi"},
+        router={"resources": {"cpu": "1000m", "memory": "2048Mi"}},
+    )  # fmt: skip
+    (await client.post(MD_PATH, json=md)).raise_for_status()
+    canonical = {"1024Mi": "1Gi", "0.5Gi": "512Mi", "1000m": "1", "2048Mi": "2Gi", "10Gi": "10Gi"}
+
+    def normalise(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: normalise(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [normalise(item) for item in value]
+        return canonical.get(value, value) if isinstance(value, str) else value
+
+    paths = {child_path(m) for m in render(md)}
+    async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "quantities"):
+
+        async def children() -> bool:
+            return all([await get(client, path) for path in paths])
+
+        await eventually(children, what="every child")
+        await asyncio.sleep(1.5)  # let the first rounds settle
+        # play the API server: store every quantity in its canonical form
+        for kind in ("engine", "router"):
+            path = f"/apis/apps/v1/namespaces/{NS}/deployments/q-{kind}"
+            template = (await get(client, path))["spec"]["template"]["spec"]
+            patch = {
+                "containers": normalise(template["containers"]),
+                "volumes": normalise(template["volumes"]),
+            }
+            await merge_patch(client, path, {"spec": {"template": {"spec": patch}}})
+        engine = await get(client, f"/apis/apps/v1/namespaces/{NS}/deployments/q-engine")
+        assert engine["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "1Gi"
+        writes_before = len(writes_to(emulator, paths))
+        await asyncio.sleep(3)  # three resync rounds
+        assert writes_to(emulator, paths)[writes_before:] == []
+
+
+async def test_secret_env_is_refused_with_no_objects(
+    cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
+) -> None:
+    """spec.env with a secretKeyRef (the chart does not allow it by default): a status and one Event say
+    why, and not one child is made."""
+    emulator, client = cluster
+    secret_env = [{"name": "DB", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}}]
+    md = modeldeployment("sneaky", env=secret_env)
+    (await client.post(MD_PATH, json=md)).raise_for_status()
+
+    async def failed() -> dict[str, Any] | None:
+        status = (await get(client, f"{MD_PATH}/sneaky") or {}).get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+
+    async def refused_events() -> list[dict[str, Any]]:
+        events = (await get(client, f"/api/v1/namespaces/{NS}/events") or {}).get("items", [])
+        return [e for e in events if e.get("reason") == "Refused" and e["involvedObject"]["name"] == "sneaky"]
+
+    async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "refused"):
+        status = await eventually(failed, what="phase Failed for the refused spec")
+        reconciled = {c["type"]: c for c in status["conditions"]}["Reconciled"]
+        assert reconciled["status"] == "False" and "spec.env[0] (DB)" in reconciled["message"]
+        (event,) = await eventually(refused_events, what="a Refused Event")
+        assert event["type"] == "Warning" and "secretKeyRef" in event["message"]
+        await asyncio.sleep(2.5)  # resync rounds: still nothing made, no new Events
+        assert len(await refused_events()) == 1
+    for manifest in render(md):
+        assert await get(client, child_path(manifest)) is None, manifest["kind"]
+    made = [path for method, path in emulator.log if method == "POST" and path != MD_PATH]
+    assert all(path.endswith("/events") for path in made), made

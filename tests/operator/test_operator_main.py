@@ -46,3 +46,17 @@ def test_namespaces_and_options(captured: dict[str, Any]) -> None:
     assert captured["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
     assert handlers.STATE.resync_seconds == 5
     assert handlers.STATE.options.default_image == "reg/engine:2"
+
+
+def test_policy_flags(captured: dict[str, Any]) -> None:
+    from pagedserve.operator.policy import Policy
+
+    assert main.run(parse()) == 0
+    assert handlers.STATE.options.policy == Policy()  # refuse secret env, any image
+    args = parse(
+        "--allow-secret-env", "--allowed-image-prefix", "reg/ml/", "--allowed-image-prefix", "ghcr.io/"
+    )
+    assert main.run(args) == 0
+    assert handlers.STATE.options.policy == Policy(
+        allow_secret_env=True, allowed_image_prefixes=("reg/ml/", "ghcr.io/")
+    )

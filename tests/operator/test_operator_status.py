@@ -114,3 +114,22 @@ def test_contains_is_a_deep_subset() -> None:
     assert not contains(want, {"spec": {**have["spec"], "ports": [{"port": 80}, {"port": 81}]}})
     assert not contains(want, {"spec": {"replicas": 2, "ports": [{"port": 80}]}})
     assert contains({"a": 1.0}, {"a": 1}) and not contains({"a": True}, {"a": 1})
+
+
+def test_quantities_the_api_server_normalised_are_no_drift() -> None:
+    """The API server stores quantities in canonical form; the drift check compares their values."""
+    want = {
+        "resources": {"requests": {"cpu": "1500m", "memory": "1024Mi"}, "limits": {"nvidia.com/gpu": "1"}},
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "0.5Gi"}}],
+        "target": {"type": "AverageValue", "averageValue": "1e3"},
+    }
+    stored = {
+        "resources": {"requests": {"cpu": "1.5", "memory": "1Gi"}, "limits": {"nvidia.com/gpu": 1}},
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "512Mi"}}],
+        "target": {"type": "AverageValue", "averageValue": "1k"},
+    }
+    assert contains(want, stored)
+    changed = {**stored, "resources": {**stored["resources"], "requests": {"cpu": "2", "memory": "1Gi"}}}
+    assert not contains(want, changed)
+    # only quantity fields: elsewhere "1k" and "1e3" stay different strings
+    assert not contains({"env": [{"name": "N", "value": "1e3"}]}, {"env": [{"name": "N", "value": "1k"}]})
