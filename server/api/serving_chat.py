@@ -35,7 +35,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", 400, param="top_logprobs")
 
-        prompt_text, conversation = self.apply_chat_template(request)
+        prompt_text, conversation = await self.apply_chat_template(request)
         prompt_ids = await self.tokenize(
             prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
         )

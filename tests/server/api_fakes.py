@@ -24,7 +24,11 @@ OFFSET = 3
 
 class FakeTokenizer:
     eos_token_id = 2
-    chat_template = "fake"
+    # Renders as apply_chat_template below does (the server renders templates itself: chat_template.py).
+    chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
 
     def __len__(self) -> int:
         return 256 + OFFSET

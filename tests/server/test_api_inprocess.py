@@ -262,8 +262,8 @@ async def test_error_shapes(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"a": 1}}), 400)
     msgs = [{"role": "user", "content": "x"}]
     assert_error(await client.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}), 400)
-    broken = {"messages": msgs, "chat_template": "broken"}
-    assert_error(await client.post("/v1/chat/completions", json=broken), 400, "messages")
+    untrusted = {"messages": msgs, "chat_template": "{{ messages }}"}  # issue 14: refused unless trusted
+    assert_error(await client.post("/v1/chat/completions", json=untrusted), 400, "chat_template")
     min_tokens = {"prompt": "x", "max_tokens": 2, "min_tokens": 5}
     assert_error(await client.post("/v1/completions", json=min_tokens), 400, "min_tokens")
     assert_error(await client.get("/v1/nothing-here"), 404)
