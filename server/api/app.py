@@ -37,6 +37,7 @@ from pagedserve.server.api.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
+    unknown_field_message,
 )
 from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
@@ -107,7 +108,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.graceful_stop = stop
-    install_error_handlers(app)
+    install_error_handlers(app, unknown_field_message)
 
     @app.get(
         "/health",

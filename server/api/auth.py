@@ -15,7 +15,6 @@ import hmac
 from pagedserve.server.api.errors import error_json_bytes
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-
 OPEN_PATHS = frozenset(
     {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 )

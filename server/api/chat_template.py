@@ -118,7 +118,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self.limits.check_size(len(text), "concatenation")
         return text
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self._check_arguments(args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
@@ -227,10 +227,8 @@ class ChatTemplateRenderer:
         kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render on a bounded thread, blocking the caller until it ends (at most ``timeout_s``)."""
-        job = self._job(
-            messages, request_template, tools, documents, add_generation_prompt, continue_final_message, kwargs
-        )
-        return job.run_blocking()
+        options = (tools, documents, add_generation_prompt, continue_final_message, kwargs)
+        return self._job(messages, request_template, *options).run_blocking()
 
     async def render_async(self, messages: list[dict[str, Any]], **options: Any) -> str:
         """As ``render``, awaited: the event loop serves other requests while the template runs."""

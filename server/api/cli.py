@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             access_log=False,  # our own access log, one structured line per request
             # What is left of the grace period once the drain is over (server/api/graceful_stop.py).
             timeout_graceful_shutdown=max(1, round(stop.margin_s)),
-        )
+        ),
     )
     log.info(
         "serving %s on http://%s:%d",

@@ -42,7 +42,6 @@ T = TypeVar("T")
 ChoiceShaper = Callable[[int, CompletionOutput], dict[str, Any]]
 
 
-
 @dataclass
 class ResponseForm:
     """What tells a chat response from a completion one; everything else about a response is shared."""
@@ -247,9 +246,9 @@ class OpenAIServing:
             ids = ids[-truncate:]
         return ids
 
-    async def apply_chat_template(self, request: ChatTemplateFields) -> tuple[str, list[dict[str, Any]]]:
+    async def apply_chat_template(self, request: ChatTemplateFields) -> str:
         """The request's conversation rendered with the chat template (server/api/chat_template.py: in
-        a sandbox, off the event loop, bounded), and the conversation as plain dicts."""
+        a sandbox, off the event loop, bounded)."""
         if request.add_generation_prompt and request.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true.",
@@ -263,14 +262,14 @@ class OpenAIServing:
                 conversation,
                 request_template=request_template(request.chat_template, kwargs),
                 tools=request.tools,
-                documents=kwargs.get("documents"),
+                documents=request.documents,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 kwargs={k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS},
             )
         except ChatTemplateError as exc:
             raise APIError(exc.message, 400, param=exc.param) from exc
-        return prompt, conversation
+        return prompt
 
     # ---- sampling -----------------------------------------------------------------------------------
 
@@ -345,7 +344,7 @@ class OpenAIServing:
                 finished = output.finished
                 yield output
             if not finished:
-                raise APIError("The server is shutting down: the request was stopped before it finished.", 503)
+                raise APIError("The server stopped the request before it finished (shutting down).", 503)
         finally:
             self.stop.active -= 1
             if not finished:

@@ -79,8 +79,9 @@ def test_schema_accepts_openai_shapes() -> None:
     assert chat.max_tokens is None and chat.max_completion_tokens is None
     parts = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     assert parts.messages[0].content[0].text == "a"  # type: ignore[index,union-attr]
-    # unknown fields are accepted (clients send fields a server may not know)
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], some_future_field=1)
+    # unknown fields are refused, as OpenAI does (issue 14: an ignored field is a silent no-op)
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], some_future_field=1)
 
 
 @pytest.mark.parametrize(
@@ -373,7 +374,6 @@ async def test_client_disconnect_aborts(engine: FakeEngine, stream: bool) -> Non
     payload = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": stream}
     await _call_and_disconnect(engine, "/v1/chat/completions", payload, after_first_chunk=stream)
     assert len(engine.aborted) == 2 and not engine.running and not engine.finished
-
 
 
 async def test_a_request_the_core_refuses_fails_alone(engine: FakeEngine) -> None:
