@@ -44,6 +44,26 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 _DIGITS = re.compile(r"\d+")
 # Marks the end of the final message when continuing it (transformers uses the same device).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# apply_chat_template's own parameters: chat_template_kwargs cannot override them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 UNTRUSTED_MESSAGE = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
     "Refused request with untrusted chat template."
@@ -255,7 +275,8 @@ class ChatTemplateRenderer:
     ) -> _RenderJob:
         source = self.template_for(request_template)
         template = compile_template(source, self.limits)
-        context = {**self.variables, **(kwargs or {})}
+        extra = {k: v for k, v in (kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+        context = {**self.variables, **extra}
         context.update(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt)
         messages = [dict(m) for m in messages]  # the continue tag below must not touch the caller's
         final = None

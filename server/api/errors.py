@@ -77,6 +77,10 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return ".".join(parts) or None
 
 
+def _depth(error: dict[str, Any]) -> int:
+    return len([p for p in error.get("loc", ()) if not _is_union_tag(p)])
+
+
 def _is_union_tag(part: Any) -> bool:
     # "list[str]", "function-after[...]", or a model's name ("TokenizeChatRequest"); fields are snake_case
     return isinstance(part, str) and ("[" in part or "(" in part or part[:1].isupper())

@@ -58,27 +58,6 @@ class ResponseForm:
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
 _TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
-# apply_chat_template's own parameters: chat_template_kwargs must not override them.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
-
-
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
@@ -265,7 +244,7 @@ class OpenAIServing:
                 documents=request.documents,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                kwargs={k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS},
+                kwargs=kwargs,
             )
         except ChatTemplateError as exc:
             raise APIError(exc.message, 400, param=exc.param) from exc

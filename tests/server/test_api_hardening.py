@@ -47,7 +47,7 @@ def assert_400(response: httpx.Response, param: str) -> str:
 
 
 async def post_raw(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
-    """``body`` as JSON with non-ASCII escaped, so a lone surrogate travels as ``\\ud83d`` (as clients send it)."""
+    """``body`` as JSON, non-ASCII escaped: a lone surrogate travels as ``\\ud83d``, as clients send it."""
     content = json.dumps(body, ensure_ascii=True).encode()
     return await client.post(path, content=content, headers={"content-type": "application/json"})
 
