@@ -58,6 +58,8 @@ class ResponseForm:
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
 _TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
