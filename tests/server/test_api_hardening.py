@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-from api_fakes import FakeEngine
-from pagedserve.server.api.app import ServerSettings, build_app
+from api_fakes import FakeEngine, app_client
 from pagedserve.server.api.auth import OPEN_PATHS
 from pagedserve.server.api.chat_template import TemplateLimits
 from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS
@@ -22,20 +20,8 @@ from starlette.routing import Route
 
 MSGS = [{"role": "user", "content": "hi"}]
 # Two nested loops of 15,000: seconds of pure-Python work in Jinja (issue 14 measured 7.4 s).
+TRUSTED = {"trust_request_chat_template": True}
 SLOW_TEMPLATE = "{% for i in range(15000) %}{% for j in range(15000) %}{% endfor %}{% endfor %}"
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine()
-    yield engine
-    await engine.shutdown(grace_seconds=0)
-
-
-async def _client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:
-    app = build_app(engine, ServerSettings(**settings))  # type: ignore[arg-type]
-    await engine.start()  # httpx's ASGI transport does not run the lifespan
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 def assert_400(response: httpx.Response, param: str) -> str:
@@ -63,13 +49,13 @@ async def post_raw(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -
     ],
 )
 async def test_request_chat_template_needs_trust(engine: FakeEngine, path: str, fields: dict) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         message = assert_400(await client.post(path, json={"messages": MSGS, **fields}), "chat_template")
         assert "--trust-request-chat-template" in message
 
 
 async def test_trusted_request_chat_template_is_rendered(engine: FakeEngine) -> None:
-    async with await _client(engine, trust_request_chat_template=True) as client:
+    async with await app_client(engine, trust_request_chat_template=True) as client:
         body = {"messages": MSGS, "chat_template": "[{{ messages[0].content }}|{{ shout }}]"}
         body["chat_template_kwargs"] = {"shout": "HEY"}
         r = await client.post("/tokenize", json=body)
@@ -96,14 +82,18 @@ async def test_trusted_request_chat_template_is_rendered(engine: FakeEngine) -> 
 )
 async def test_template_size_bounds(engine: FakeEngine, template: str) -> None:
     limits = TemplateLimits(max_output_chars=1_000_000)
-    async with await _client(engine, trust_request_chat_template=True, chat_template_limits=limits) as client:
+    async with await app_client(
+        engine, trust_request_chat_template=True, chat_template_limits=limits
+    ) as client:
         body = {"messages": MSGS, "chat_template": template, "max_tokens": 2}
         assert_400(await client.post("/v1/chat/completions", json=body), "chat_template")
 
 
 async def test_slow_template_renders_off_the_event_loop_and_ends_at_its_deadline(engine: FakeEngine) -> None:
     limits = TemplateLimits(timeout_s=3.0)
-    async with await _client(engine, trust_request_chat_template=True, chat_template_limits=limits) as client:
+    async with await app_client(
+        engine, trust_request_chat_template=True, chat_template_limits=limits
+    ) as client:
         body = {"messages": MSGS, "chat_template": SLOW_TEMPLATE, "max_tokens": 2}
         slow = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
         await asyncio.sleep(0.2)  # the render has started
@@ -116,7 +106,7 @@ async def test_slow_template_renders_off_the_event_loop_and_ends_at_its_deadline
 
 # ------------------------------------------------------------------------------------------------- auth
 async def test_api_key_guards_every_route_but_the_probes(engine: FakeEngine) -> None:
-    async with await _client(engine, api_key="s3cret") as client:
+    async with await app_client(engine, api_key="s3cret") as client:
         app = client._transport.app  # type: ignore[attr-defined]
         routes = [(m, r.path) for r in app.routes if isinstance(r, Route) for m in sorted(r.methods or ())]
         guarded = [(m, p) for m, p in routes if p not in OPEN_PATHS and m != "HEAD"]
@@ -152,14 +142,14 @@ CHAT_REFUSED = [
 
 @pytest.mark.parametrize(("fields", "param"), CHAT_REFUSED)
 async def test_chat_fields_that_do_nothing_are_refused(engine: FakeEngine, fields: dict, param: str) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         body = {"messages": MSGS, "max_tokens": 2, **fields}
         assert_400(await client.post("/v1/chat/completions", json=body), param)
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
 async def test_unimplemented_vllm_fields_are_named(engine: FakeEngine, name: str) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         for path, body in (
             ("/v1/completions", {"prompt": "x", "max_tokens": 2, name: "x"}),
             ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, name: "x"}),
@@ -169,7 +159,7 @@ async def test_unimplemented_vllm_fields_are_named(engine: FakeEngine, name: str
 
 
 async def test_supported_variants_still_work(engine: FakeEngine) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         tools = [{"type": "function", "function": {"name": "f"}}]
         for fields in (
             {"tools": tools, "tool_choice": "none"},
@@ -182,7 +172,7 @@ async def test_supported_variants_still_work(engine: FakeEngine) -> None:
 
 
 async def test_openapi_says_unknown_fields_are_refused(engine: FakeEngine) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         assert schemas[name]["additionalProperties"] is False, name
@@ -206,7 +196,7 @@ async def test_openapi_says_unknown_fields_are_refused(engine: FakeEngine) -> No
     ],
 )
 async def test_loose_types_are_refused(engine: FakeEngine, fields: dict, param: str) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         r = await client.post("/v1/completions", json={"prompt": "x", **fields})
         message = assert_400(r, param)
         assert param in message
@@ -241,7 +231,7 @@ BROKEN = "broken emoji \ud83d"
 async def test_lone_surrogates_are_a_400_naming_the_field(
     engine: FakeEngine, path: str, body: dict, param: str
 ) -> None:
-    async with await _client(engine) as client:
+    async with await app_client(engine) as client:
         r = await post_raw(client, path, {"max_tokens": 2, **body} if path != "/tokenize" else body)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
@@ -252,7 +242,7 @@ async def test_lone_surrogates_are_a_400_naming_the_field(
 # ---------------------------------------------------------------------------------------------- drain
 async def test_drain_fails_health_and_refuses_new_requests_at_once(engine: FakeEngine) -> None:
     engine.step_delay = 0.05  # 100 tokens: 5 s, longer than the 2 s grace period
-    async with await _client(engine, shutdown_grace_seconds=2.0) as client:
+    async with await app_client(engine, shutdown_grace_seconds=2.0) as client:
         stop = client._transport.app.state.graceful_stop  # type: ignore[attr-defined]
         long = {"prompt": "x", "max_tokens": 100, "stream": True}
         streaming = asyncio.ensure_future(client.post("/v1/completions", json=long))

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import SCRIPT, FakeEngine
+from api_fakes import SCRIPT, FakeEngine, app_client
 from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.api.metrics import build_1_2_5_buckets
 from pagedserve.server.api.protocol import (
@@ -30,21 +30,8 @@ MODEL = "fake-model"
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine()
-    yield engine
-    await engine.shutdown(grace_seconds=0)
-
-
-async def _client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:
-    app = build_app(engine, ServerSettings(**settings))  # type: ignore[arg-type]
-    await engine.start()  # httpx's ASGI transport does not run the lifespan
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-@pytest.fixture
 async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with await _client(engine) as c:
+    async with await app_client(engine) as c:
         yield c
 
 
@@ -274,7 +261,7 @@ async def test_error_shapes(client: httpx.AsyncClient) -> None:
 
 
 async def test_api_key(engine: FakeEngine) -> None:
-    async with await _client(engine, api_key="s3cret") as client:
+    async with await app_client(engine, api_key="s3cret") as client:
         assert assert_error(await client.get("/v1/models"), 401)["code"] == "invalid_api_key"
         wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
         assert_error(wrong, 401)
