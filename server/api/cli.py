@@ -3,7 +3,6 @@
 The model loads before the port opens, so /health answers only once the server can serve. SIGTERM (or
 Ctrl-C) drains (server/api/graceful_stop.py): /health answers 503 at once, new requests get 503, running
 requests finish or end with an error event, all within --shutdown-grace-period; then the process exits 0.
-A second Ctrl-C forces the exit.
 """
 
 from __future__ import annotations
@@ -193,7 +192,8 @@ def _graceful_server(stop, config):  # (GracefulStop, uvicorn.Config) -> uvicorn
 
     uvicorn stops listening at the first signal; here the first SIGTERM or Ctrl-C only starts the drain
     (``stop.drain()``: /health 503, running requests finish or end within the grace period), and uvicorn's
-    own shutdown follows it. A second signal is uvicorn's again (a second Ctrl-C forces the exit).
+    own shutdown follows it. A second signal goes to uvicorn as usual: it stops listening at once (the
+    drain still bounds the wait), and one more Ctrl-C forces the exit.
     uvicorn re-raises the signal once done so that the process dies of it; a server asked to stop has
     stopped cleanly, so the re-raise is dropped.
     """
