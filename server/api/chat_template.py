@@ -235,7 +235,20 @@ class ChatTemplateRenderer:
             raise ChatTemplateError("The model has no chat template; send one with the request.")
         return self.default_template
 
-    def render(
+    def render(self, messages: list[dict[str, Any]], **options: Any) -> str:
+        """Render on a bounded thread, blocking the caller until it ends (at most ``timeout_s``).
+
+        ``options``: ``request_template``, ``tools``, ``documents``, ``add_generation_prompt``,
+        ``continue_final_message`` and ``kwargs`` (chat_template_kwargs), as ``apply_chat_template``
+        takes them.
+        """
+        return self._job(messages, **options).run_blocking()
+
+    async def render_async(self, messages: list[dict[str, Any]], **options: Any) -> str:
+        """As ``render``, awaited: the event loop serves other requests while the template runs."""
+        return await self._job(messages, **options).run_async()
+
+    def _job(
         self,
         messages: list[dict[str, Any]],
         *,
@@ -245,36 +258,8 @@ class ChatTemplateRenderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Render on a bounded thread, blocking the caller until it ends (at most ``timeout_s``)."""
-        options = (tools, documents, add_generation_prompt, continue_final_message, kwargs)
-        return self._job(messages, request_template, *options).run_blocking()
-
-    async def render_async(self, messages: list[dict[str, Any]], **options: Any) -> str:
-        """As ``render``, awaited: the event loop serves other requests while the template runs."""
-        job = self._job(
-            messages,
-            options.get("request_template"),
-            options.get("tools"),
-            options.get("documents"),
-            options.get("add_generation_prompt", True),
-            options.get("continue_final_message", False),
-            options.get("kwargs"),
-        )
-        return await job.run_async()
-
-    def _job(
-        self,
-        messages: list[dict[str, Any]],
-        request_template: str | None,
-        tools: list[dict[str, Any]] | None,
-        documents: list[dict[str, Any]] | None,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        kwargs: Mapping[str, Any] | None,
     ) -> _RenderJob:
         source = self.template_for(request_template)
-        template = compile_template(source, self.limits)
         extra = {k: v for k, v in (kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
         context = {**self.variables, **extra}
         context.update(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt)
@@ -288,6 +273,7 @@ class ChatTemplateRenderer:
         context["messages"] = messages
 
         def render() -> str:
+            template = compile_template(source, self.limits)  # here: compiling is bounded by the deadline too
             text = self._generate(template, context)
             return text if final is None else _cut_at_continue_tag(text, final)
 
