@@ -38,7 +38,7 @@ from typing import Any
 
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
-from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _DIGITS = re.compile(r"\d+")
@@ -192,8 +192,8 @@ def _environment(limits: TemplateLimits) -> BoundedSandbox:
 def compile_template(source: str, limits: TemplateLimits) -> Any:  # -> jinja2.Template
     try:
         return _environment(limits).from_string(source)
-    except TemplateError as exc:
-        raise ChatTemplateError(f"The chat template does not compile: {exc}") from exc
+    except Exception as exc:  # a syntax error, or nesting deep enough to exhaust the parser's recursion
+        raise ChatTemplateError(f"The chat template does not compile: {type(exc).__name__}: {exc}") from exc
 
 
 def request_template(chat_template: str | None, chat_template_kwargs: Mapping[str, Any] | None) -> str | None:
