@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model-name", default=None, help="seeds the block hash chain (default: --tokenizer, else '')"
     )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates sent with requests for their prefix hash (bounded, sandboxed); "
+        "without it their raw messages are hashed and the engines decide (vLLM's flag of that name)",
+    )
     g.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
     g.add_argument(
         "--tokenizer-cache-mib",
@@ -133,6 +139,7 @@ def config_from_args(args: argparse.Namespace):
         target_port=args.target_port,
         tokenizer=args.tokenizer,
         model_name=args.model_name if args.model_name is not None else (args.tokenizer or ""),
+        trust_request_chat_template=args.trust_request_chat_template,
         block_size=args.block_size,
         segment_cache_bytes=args.tokenizer_cache_mib << 20,
         strategy=args.strategy,

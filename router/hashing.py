@@ -10,6 +10,9 @@ which is randomised per process: router replicas must agree without sharing stat
 
 Nothing here imports torch: the tokenizer is transformers' ``PreTrainedTokenizerFast`` (Rust
 ``tokenizers`` underneath), never ``AutoTokenizer``, which pulls in torch when it is installed.
+
+Chat templates render as the engine renders them: in the engine server's bounded sandbox
+(server/api/chat_template.py), with the same trust rule for a template sent with the request.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.router.segment_cache import SegmentCache
+from pagedserve.server.api.chat_template import ChatTemplateRenderer, TemplateLimits, request_template
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ class PromptHasher:
         model_name: str,
         block_size: int = 16,
         segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES,
+        trust_request_chat_template: bool = False,
+        template_limits: TemplateLimits | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -101,13 +107,17 @@ class PromptHasher:
         self.seed = seed_hash(model_name)
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
         self._backend = None
-        self._template = None  # compiled chat template, when rendering it directly matches transformers
-        self._template_vars: dict[str, Any] = {}
+        self._templates: ChatTemplateRenderer | None = None
         self._split = None  # regex splitting rendered text at added tokens, when that is exact
         self._special_ids: dict[str, int] = {}
         self.segments = SegmentCache(segment_cache_bytes)  # token ids of the text between added tokens
         if self.tokenizer is not None:
             self._backend = getattr(self.tokenizer, "_tokenizer", None)  # the Rust tokenizers.Tokenizer
+            self._templates = ChatTemplateRenderer.for_tokenizer(
+                self.tokenizer,
+                trust_request_templates=trust_request_chat_template,
+                limits=template_limits or TemplateLimits(),
+            )
             self._setup_fast_paths()
 
     # --- fast paths, each checked against the reference on a probe conversation ------------------
@@ -126,34 +136,14 @@ class PromptHasher:
                 {"role": "user", "content": "And 3 + 3 ?"},
             ],
         ]
-        probe, reference = probes[0], None
+        reference = None
         for probe in probes:
             try:
-                reference = self.tokenizer.apply_chat_template(
-                    probe, tokenize=False, add_generation_prompt=True
-                )
+                reference = self.render_chat(probe)
                 break
             except Exception:
                 continue
-        # 1. Render the chat template directly (transformers' own compiled template, without the per-call
-        #    conversion work of apply_chat_template).
-        template = getattr(self.tokenizer, "chat_template", None)
-        if isinstance(template, dict):
-            template = template.get("default") or next(iter(template.values()), None)
-        if reference is not None and isinstance(template, str):
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-
-                compiled = _compile_jinja_template(template)
-                variables = dict(self.tokenizer.special_tokens_map)
-                rendered = compiled.render(
-                    messages=probe, add_generation_prompt=True, tools=None, documents=None, **variables
-                )
-                if rendered == reference:
-                    self._template, self._template_vars = compiled, variables
-            except Exception as exc:
-                logger.debug("direct chat template rendering unavailable: %s", exc)
-        # 2. Tokenize the rendered text piecewise between added tokens, caching the pieces (a long system
+        # Tokenize the rendered text piecewise between added tokens, caching the pieces (a long system
         #    prompt is tokenized once). The tokenizer itself splits at added tokens before anything else,
         #    so this is exact whenever no added token strips whitespace or needs normalization.
         backend = self._backend
@@ -201,24 +191,25 @@ class PromptHasher:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # pragma: no cover
 
     def render_chat(self, messages: list[dict[str, Any]], body: dict[str, Any] | None = None) -> str:
-        kwargs: dict[str, Any] = {}
-        if body:
-            if body.get("tools"):
-                kwargs["tools"] = body["tools"]
-            extra = body.get("chat_template_kwargs")
-            if isinstance(extra, dict):
-                kwargs.update(extra)
-        add_gen = True if not body else bool(body.get("add_generation_prompt", True))
-        if self._template is not None and not kwargs:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_gen,
-                tools=None,
-                documents=None,
-                **self._template_vars,
-            )
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_gen, **kwargs
+        """The chat template applied as the engine applies it (server/api/serving_base.py).
+
+        A template sent with the request renders only with ``--trust-request-chat-template``; else this
+        raises and the caller hashes the raw messages. The router does not answer that request itself:
+        whether request templates are trusted is the engine's decision, as in vLLM (its 400 reaches the
+        client unchanged), and the router runs no template it was not told to trust.
+        """
+        body = body or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = kwargs if isinstance(kwargs, dict) else {}
+        assert self._templates is not None, "render_chat needs a tokenizer"
+        return self._templates.render(
+            messages,
+            request_template=request_template(body.get("chat_template"), kwargs),
+            tools=body.get("tools") or None,
+            documents=body.get("documents"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            kwargs=kwargs,
         )
 
     # --- prompt -> token ids ---------------------------------------------------------------------

@@ -88,6 +88,7 @@ class RouterConfig:
     target_port: int = 8000
     tokenizer: str | None = None
     model_name: str = ""
+    trust_request_chat_template: bool = False
     block_size: int = 16
     segment_cache_bytes: int = DEFAULT_SEGMENT_CACHE_BYTES
     strategy: str = "prefix-hash"
@@ -193,7 +194,11 @@ class RouterApp:
         if hasher is None and config.strategy == "prefix-hash":
             try:
                 hasher = PromptHasher(
-                    config.tokenizer, config.model_name, config.block_size, config.segment_cache_bytes
+                    config.tokenizer,
+                    config.model_name,
+                    config.block_size,
+                    config.segment_cache_bytes,
+                    trust_request_chat_template=config.trust_request_chat_template,
                 )
             except Exception as exc:
                 # Routing must go on: prompt bytes stand in for tokens (prefix affinity still works).
@@ -431,7 +436,8 @@ class RouterApp:
         method = scope["method"]
         hashes: list[int] = []
         if method == "POST" and self.hasher is not None and path in HASHED_PATHS:
-            if len(body) > _TOKENIZE_INLINE_MAX:  # a long prompt: keep the event loop serving the others
+            # A long prompt, or a request's own template (up to its render bound): keep the loop serving.
+            if len(body) > _TOKENIZE_INLINE_MAX or b"chat_template" in body:
                 hashes = await asyncio.to_thread(self._hashes, path, body)
             else:
                 hashes = self._hashes(path, body)

@@ -1,22 +1,24 @@
 """The FastAPI application: vLLM's OpenAI-compatible endpoints in front of one ``EngineClient``
 (server/engine/protocol.py; server/engine/async_engine.py in production).
 
-``build_app(engine, settings)`` wires the routes, OpenAI-shaped errors, bearer auth on /v1/*, the access
-log and a Prometheus registry of its own; its lifespan starts the engine thread and, on shutdown, lets
-in-flight requests finish within the grace period.
+``build_app(engine, settings)`` wires the routes, OpenAI-shaped errors, bearer auth on every route but the
+probes (server/api/auth.py), the access log and a Prometheus registry of its own; its lifespan starts the
+engine thread and, on shutdown, drains within the grace period (server/api/graceful_stop.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from pagedserve.server.api.access_log import AccessLogMiddleware
 from pagedserve.server.api.auth import APIKeyMiddleware
+from pagedserve.server.api.chat_template import ChatTemplateRenderer, TemplateLimits
 from pagedserve.server.api.errors import error_response, install_error_handlers
+from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.metrics import ServerMetrics
 from pagedserve.server.api.protocol import (
     ChatCompletionRequest,
@@ -35,6 +37,7 @@ from pagedserve.server.api.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
+    unknown_field_message,
 )
 from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
@@ -49,9 +52,12 @@ from pagedserve import __version__
 @dataclass
 class ServerSettings:
     served_model_names: list[str] | None = None  # default: the engine's served_model_name
-    api_key: str | None = None  # bearer token required on /v1/*
+    api_key: str | None = None  # bearer token required on every route but the probes
     access_log: bool = True
-    shutdown_grace_seconds: float = 30.0  # in-flight requests get this long to finish on shutdown
+    # The whole stop, running streams included, fits in this (the pod allows 60 s).
+    shutdown_grace_seconds: float = 30.0
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    chat_template_limits: TemplateLimits = field(default_factory=TemplateLimits)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -73,9 +79,16 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     settings = settings or ServerSettings()
     model_names = settings.served_model_names or [engine.served_model_name]
     metrics = ServerMetrics(engine, model_names[0], engine.max_model_len)
-    chat = OpenAIServingChat(engine, model_names, metrics)
-    completion = OpenAIServingCompletion(engine, model_names, metrics)
-    tokenization = OpenAIServingTokenization(engine, model_names, metrics)
+    templates = ChatTemplateRenderer.for_tokenizer(
+        engine.tokenizer,
+        trust_request_templates=settings.trust_request_chat_template,
+        limits=settings.chat_template_limits,
+    )
+    stop = GracefulStop(engine, settings.shutdown_grace_seconds)
+    serving = (engine, model_names, metrics, templates, stop)
+    chat = OpenAIServingChat(*serving)
+    completion = OpenAIServingCompletion(*serving)
+    tokenization = OpenAIServingTokenization(*serving)
     auth_errors = (401,) if settings.api_key else ()
 
     @asynccontextmanager
@@ -84,7 +97,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         try:
             yield
         finally:
-            await engine.shutdown(settings.shutdown_grace_seconds)
+            await stop.drain()  # at once if SIGTERM already drained (server/api/cli.py)
 
     app = FastAPI(
         title="pagedserve",
@@ -94,7 +107,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     )
     app.state.engine = engine
     app.state.metrics = metrics
-    install_error_handlers(app)
+    app.state.graceful_stop = stop
+    install_error_handlers(app, unknown_field_message)
 
     @app.get(
         "/health",
@@ -102,6 +116,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         responses={200: {"description": "The engine is running"}, **_errors(503)},
     )
     async def health() -> Response:
+        if stop.draining:
+            return error_response("The server is shutting down.", 503)
         if engine.is_healthy():
             return Response(status_code=200)
         return error_response("The engine is not running.", 503)
@@ -164,11 +180,11 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404))
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, *auth_errors, 404))
     async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         return await tokenization.create_tokenize(request)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, *auth_errors, 404))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.create_detokenize(request)
 

@@ -1,4 +1,9 @@
-"""Bearer-token authentication for /v1/* (vLLM's rule: /health, /metrics, /tokenize... stay open).
+"""Bearer-token authentication on every route that runs the model or a chat template.
+
+Only the probes and the API's description stay open: /health, /metrics, /version and the OpenAPI
+document with its viewers. /tokenize and /detokenize need the key too (vLLM leaves them open,
+but /tokenize renders chat templates: one request can keep a worker busy for the render's time bound).
+An unknown path needs the key as well, so a client without it learns nothing of the routes.
 
 A pure ASGI middleware: it adds no task and no buffering to streamed responses.
 """
@@ -10,9 +15,13 @@ import hmac
 from pagedserve.server.api.errors import error_json_bytes
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+
 
 def requires_auth(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path not in OPEN_PATHS
 
 
 def bearer_token(scope: Scope) -> bytes | None:

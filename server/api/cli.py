@@ -1,8 +1,8 @@
 """`pagedserve serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names.
 
 The model loads before the port opens, so /health answers only once the server can serve. SIGTERM (or
-Ctrl-C) stops accepting connections, lets in-flight requests finish within --shutdown-grace-period,
-then exits 0.
+Ctrl-C) drains (server/api/graceful_stop.py): /health answers 503 at once, new requests get 503, running
+requests finish or end with an error event, all within --shutdown-grace-period; then the process exits 0.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+
+from pagedserve.server.api.chat_template import TemplateLimits
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -48,7 +50,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument(
-        "--api-key", default=None, help=f"bearer token required on /v1/* (default: ${API_KEY_ENV})"
+        "--api-key",
+        default=None,
+        help=f"bearer token required on every route but /health, /metrics, /version and the OpenAPI "
+        f"document (default: ${API_KEY_ENV})",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates sent with requests (chat_template, chat_template_kwargs); without "
+        "it such requests get a 400",
+    )
+    server.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=TemplateLimits.timeout_s,
+        metavar="SECONDS",
+        help="a chat template that renders longer than this gets a 400",
     )
     server.add_argument(
         "--uvicorn-log-level",
@@ -67,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may take to finish",
+        help="on SIGTERM, the bound of the whole stop: running requests finish or are ended with an "
+        "error before it (keep it below the pod's terminationGracePeriodSeconds)",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None)
@@ -140,9 +159,13 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         access_log=not args.disable_access_log,
         shutdown_grace_seconds=args.shutdown_grace_period,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_limits=TemplateLimits(timeout_s=args.chat_template_timeout),
     )
     app = build_app(engine, settings)
+    stop = app.state.graceful_stop
     server = _graceful_server(
+        stop,
         uvicorn.Config(
             app,
             host=args.host,
@@ -150,8 +173,9 @@ def run(args: argparse.Namespace) -> int:
             log_config=None,
             log_level=args.uvicorn_log_level,
             access_log=False,  # our own access log, one structured line per request
-            timeout_graceful_shutdown=max(1, round(args.shutdown_grace_period)),
-        )
+            # What is left of the grace period once the drain is over (server/api/graceful_stop.py).
+            timeout_graceful_shutdown=max(1, round(stop.margin_s)),
+        ),
     )
     log.info(
         "serving %s on http://%s:%d",
@@ -163,15 +187,44 @@ def run(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _graceful_server(config):  # -> uvicorn.Server
-    """A uvicorn.Server whose SIGTERM or Ctrl-C ends in exit code 0.
+def _graceful_server(stop, config):  # (GracefulStop, uvicorn.Config) -> uvicorn.Server
+    """A uvicorn.Server that drains before it stops listening, and whose SIGTERM ends in exit code 0.
 
-    uvicorn drains connections on those signals, then re-raises the signal once done so that the process
-    dies of it; a server asked to stop has stopped cleanly, so the re-raise is dropped.
+    uvicorn stops listening at the first signal; here the first SIGTERM or Ctrl-C only starts the drain
+    (``stop.drain()``: /health 503, running requests finish or end within the grace period), and uvicorn's
+    own shutdown follows it. A second signal goes to uvicorn as usual: it stops listening at once (the
+    drain still bounds the wait), and one more Ctrl-C forces the exit.
+    uvicorn re-raises the signal once done so that the process dies of it; a server asked to stop has
+    stopped cleanly, so the re-raise is dropped.
     """
+    import asyncio
+
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Future | None = None
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.loop is None or stop.draining or self.should_exit:
+                super().handle_exit(sig, frame)
+                return
+            stop.begin()  # /health is 503 from here on
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self.drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            try:
+                await stop.drain()
+            finally:
+                self.should_exit = True
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +72,18 @@ def error_json_bytes(message: str, status: int, param: str | None = None, code: 
 
 
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # pydantic names the member of a union it tried ("list[str]", "function-after[...]"): not a field.
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header") and not _is_union_tag(p)]
     return ".".join(parts) or None
+
+
+def _depth(error: dict[str, Any]) -> int:
+    return len([p for p in error.get("loc", ()) if not _is_union_tag(p)])
+
+
+def _is_union_tag(part: Any) -> bool:
+    # "list[str]", "function-after[...]", or a model's name ("TokenizeChatRequest"); fields are snake_case
+    return isinstance(part, str) and ("[" in part or "(" in part or part[:1].isupper())
 
 
 def validation_message(errors: list[dict[str, Any]]) -> str:
@@ -86,7 +97,8 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
     return "; ".join(lines)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, unknown_field_message: Callable[[str], str] | None = None) -> None:
+    """``unknown_field_message(name)``: the 400's message for a field the schema does not have."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -95,7 +107,16 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = list(exc.errors())
         if errors and errors[0].get("type") == "json_invalid":
             return error_response(f"Invalid JSON body: {errors[0].get('msg', 'cannot parse')}", 400)
-        param = _loc_to_param(errors[0].get("loc", ())) if errors else None
+        # With unions, pydantic reports every member it tried: the deepest location is the member that
+        # came closest, so its field is the one to name.
+        first = (
+            max(errors, key=lambda err: (_loc_to_param(err.get("loc", ())) or "").count("."))
+            if errors
+            else {}
+        )
+        param = _loc_to_param(first.get("loc", ()))
+        if first.get("type") == "extra_forbidden" and unknown_field_message and param:
+            return error_response(unknown_field_message(param.rsplit(".", 1)[-1]), 400, param=param)
         return error_response(validation_message(errors) or "Invalid request", 400, param=param)
 
     @app.exception_handler(APIError)

@@ -1,16 +1,28 @@
 """Pydantic schemas of the OpenAI-compatible API: OpenAI's fields plus vLLM's sampling extras.
 
 Requests are validated here (a failure becomes a 400 in OpenAI's error shape); responses are declared here
-so that /openapi.json describes what the server sends. Unknown request fields are accepted and ignored,
-as OpenAI clients send fields a server may not know.
+so that /openapi.json describes what the server sends.
+
+A request is taken as OpenAI takes it, and /openapi.json says exactly that (``RequestModel``):
+
+- **Strict types.** ``"max_tokens": "2"`` or ``true`` where a number belongs is a 400, as at OpenAI; an
+  integer is fine where a float belongs.
+- **No unknown fields** (``additionalProperties: false``). OpenAI answers an unknown field with a 400
+  ("Unrecognized request argument supplied"); vLLM ignores it with a warning. We answer as OpenAI does: a
+  field ignored in silence (a typo, or a vLLM feature this server lacks, such as ``guided_json``) gives a
+  200 that does not do what the client asked. The vLLM fields we lack get a 400 that says why
+  (``UNSUPPORTED_FIELDS``). Messages are the exception: clients send back the assistant messages they
+  were given, with whatever fields those had, so a message may carry fields the template does not read.
+- **Valid Unicode.** A lone surrogate (JSON ``"\\ud83d"``) anywhere in the text is a 400 naming its
+  field: no tokenizer or encoder downstream can take it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # torch.iinfo(torch.long): a seed must fit a 64-bit generator seed. Written out to keep torch out of here.
 _LONG_MIN = -(2**63)
@@ -19,9 +31,77 @@ _INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default --max-logprobs is the same
 
 
+_STRUCTURED = "structured outputs are not implemented yet"
+# vLLM request fields this server does not implement, and why: each one is a 400 that names it.
+UNSUPPORTED_FIELDS = {
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "structural_tag": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "length_penalty": "it applies to beam search, which is not implemented",
+    "prompt_embeds": "prompts are text or token ids",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "media_io_kwargs": "multimodal inputs are not supported",
+    "reasoning_effort": "reasoning models are not supported",
+    "include_reasoning": "reasoning models are not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "not implemented",
+    "return_token_ids": "not implemented",
+    "request_id": "the server names each request itself (the X-Request-Id header of the response)",
+    "kv_transfer_params": "disaggregated serving is not supported",
+    "vllm_xargs": "extension arguments are not supported",
+}
+
+
+def unknown_field_message(name: str) -> str:
+    """The 400 for a request field that is not in the schema (errors.py uses it)."""
+    reason = UNSUPPORTED_FIELDS.get(name)
+    if reason is not None:
+        return f"{name} is not supported by this server: {reason}."
+    return f"Unrecognized request argument supplied: {name}"
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text is not valid Unicode: a lone surrogate {text[exc.start]!r} at index {exc.start}"
+        ) from None
+    return text
+
+
+def _valid_unicode_json(value: Any) -> Any:
+    """Every string inside a JSON value (keys too) is valid Unicode."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _valid_unicode_json(key)
+            _valid_unicode_json(item)
+    elif isinstance(value, list):
+        for item in value:
+            _valid_unicode_json(item)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_json)]
+
+
 class OpenAIBaseModel(BaseModel):
     # NaN or Infinity (which Python's json module accepts) would poison sampling: reject them.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body (see the module docstring): strict types, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -80,27 +160,27 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
 # --------------------------------------------------------------------------------------------- sampling
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(RequestModel):
     """Fields common to both generation endpoints: OpenAI's, then vLLM's extras."""
 
-    model: str | None = None
+    model: Text | None = None
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     n: int = Field(1, ge=1, le=128)
     seed: int | None = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    user: str | None = None
+    user: Text | None = None  # the caller's end-user id, for the caller's own logs: nothing to do here
     # vLLM extras
     best_of: int | None = Field(None, ge=1)
     use_beam_search: bool = False
@@ -114,43 +194,56 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    priority: Literal[0] = Field(0, description="vLLM's; only 0: priority scheduling is not implemented")
+
+
+class ResponseFormat(RequestModel):
+    """Only plain text: JSON modes need structured outputs, which are not implemented yet."""
+
+    type: Literal["text"]
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions (OpenAI's legacy completions)."""
 
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: list[int] | list[list[int]] | Text | list[Text]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(16, ge=1)
-    suffix: str | None = None
+    suffix: Text | None = None
     add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class ChatMessageContentPart(OpenAIBaseModel):
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # see the module docstring
+
+    type: Text
+    text: Text | None = None
 
 
 class ChatCompletionMessageParam(OpenAIBaseModel):
-    role: str
-    content: str | list[ChatMessageContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # see the module docstring
+
+    role: Text
+    content: Text | list[ChatMessageContentPart] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
+    tool_calls: list[JSONObject] | None = None
 
 
-class ChatTemplateFields(OpenAIBaseModel):
+class ChatTemplateFields(RequestModel):
     """A conversation and how to render it with the chat template: /v1/chat/completions and /tokenize."""
 
     messages: list[ChatCompletionMessageParam] = Field(..., min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[JSONObject] | None = None
     # vLLM extras
+    documents: list[JSONObject] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = Field(None, description="needs --trust-request-chat-template")
+    chat_template_kwargs: JSONObject | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
@@ -160,10 +253,11 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI: max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
+    response_format: ResponseFormat | None = None
+    # OpenAI's default with tools is "auto": tool calling, which is not implemented; only "none" works.
+    tool_choice: Text | JSONObject | None = None
     parallel_tool_calls: bool | None = None
-    echo: bool = False  # vLLM's
+    echo: Literal[False] = Field(False, description="vLLM's; only false: echo on chat is not implemented")
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -273,15 +367,15 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # -------------------------------------------------------------------------------------- tokenization
-class TokenizeCompletionRequest(OpenAIBaseModel):
-    model: str | None = None
-    prompt: str
+class TokenizeCompletionRequest(RequestModel):
+    model: Text | None = None
+    prompt: Text
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
 class TokenizeChatRequest(ChatTemplateFields):
-    model: str | None = None
+    model: Text | None = None
     return_token_strs: bool | None = False
 
 
@@ -295,8 +389,8 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
+class DetokenizeRequest(RequestModel):
+    model: Text | None = None
     tokens: list[int]
 
 

@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagedserve.server.api.chat_template import ChatTemplateError, ChatTemplateRenderer, request_template
 from pagedserve.server.api.errors import APIError, error_body
+from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
 from pagedserve.server.api.protocol import ChatCompletionMessageParam, ChatTemplateFields, StreamOptions
 from pagedserve.server.engine.exceptions import InvalidRequestError
@@ -38,7 +40,6 @@ logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
 # Shapes one delta of one choice into a chunk's choice: (index of the prompt, the delta).
 ChoiceShaper = Callable[[int, CompletionOutput], dict[str, Any]]
-
 
 
 @dataclass
@@ -57,25 +58,6 @@ class ResponseForm:
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
 _TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
-# apply_chat_template's own parameters: chat_template_kwargs must not override them.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 
 
 class ClientDisconnected(Exception):
@@ -191,8 +173,17 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
 class OpenAIServing:
     """Base of the chat, completion and tokenization handlers."""
 
-    def __init__(self, engine: EngineClient, model_names: list[str], metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_names: list[str],
+        metrics: ServerMetrics,
+        templates: ChatTemplateRenderer,
+        stop: GracefulStop,
+    ) -> None:
         self.engine = engine
+        self.templates = templates
+        self.stop = stop
         self.tokenizer = engine.tokenizer
         self.model_names = model_names
         self.model_name = model_names[0]
@@ -207,6 +198,8 @@ class OpenAIServing:
 
     def check_request(self, request: Any) -> None:
         """What only the OpenAI API has; the engine checks the prompt, limits and parameters itself."""
+        if self.stop.draining:  # a 503 before any work: the router retries it on another replica
+            raise APIError("The server is shutting down.", 503)
         if not self.engine.is_healthy():
             raise APIError("The engine is not running.", 503)
         if request.use_beam_search:
@@ -234,8 +227,9 @@ class OpenAIServing:
             ids = ids[-truncate:]
         return ids
 
-    def apply_chat_template(self, request: ChatTemplateFields) -> tuple[str, list[dict[str, Any]]]:
-        """The request's conversation rendered with the chat template, and the conversation as plain dicts."""
+    async def apply_chat_template(self, request: ChatTemplateFields) -> str:
+        """The request's conversation rendered with the chat template (server/api/chat_template.py: in
+        a sandbox, off the event loop, bounded)."""
         if request.add_generation_prompt and request.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true.",
@@ -244,24 +238,19 @@ class OpenAIServing:
             )
         conversation = [_message_dict(m) for m in request.messages]
         kwargs = request.chat_template_kwargs or {}
-        extra = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
         try:
-            prompt = self.tokenizer.apply_chat_template(
+            prompt = await self.templates.render_async(
                 conversation,
+                request_template=request_template(request.chat_template, kwargs),
                 tools=request.tools,
-                chat_template=request.chat_template,
-                tokenize=False,
+                documents=request.documents,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                **extra,
+                kwargs=kwargs,
             )
-        except Exception as exc:  # template errors are the request's: a template given or messages it rejects
-            raise APIError(
-                f"Cannot apply the chat template: {type(exc).__name__}: {exc}", 400, param="messages"
-            ) from exc
-        if not isinstance(prompt, str):
-            raise APIError("The chat template did not render to text.", 400, param="chat_template")
-        return prompt, conversation
+        except ChatTemplateError as exc:
+            raise APIError(exc.message, 400, param=exc.param) from exc
+        return prompt
 
     # ---- sampling -----------------------------------------------------------------------------------
 
@@ -323,14 +312,22 @@ class OpenAIServing:
         return streams
 
     async def observed(self, stream: RequestStream, tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
-        """The engine's stream for one prompt, observed for metrics; closing it aborts the request."""
+        """The engine's stream for one prompt, observed for metrics; closing it aborts the request.
+
+        A stream the engine ends before its request finished (aborted at shutdown) raises a 503: a
+        streamed response ends with that error event, never with a silent [DONE].
+        """
         finished = False
+        self.stop.active += 1
         try:
             async for output in stream:
                 tracker.observe(output)
                 finished = output.finished
                 yield output
+            if not finished:
+                raise APIError("The server stopped the request before it finished (shutting down).", 503)
         finally:
+            self.stop.active -= 1
             if not finished:
                 tracker.abort()
             await stream.aclose()

@@ -23,19 +23,18 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_request(request)
-        if request.tools and request.tool_choice not in (None, "none"):
+        if request.tools and request.tool_choice != "none":
+            # OpenAI's default with tools is "auto"; both it and a named tool need tool calling.
             raise APIError(
-                "Tool calling is not supported: send tool_choice 'none' (tools are then only shown "
-                "to the chat template).",
+                "Tool calling is not supported: with tools, send tool_choice 'none' (the tools are then "
+                "only shown to the chat template).",
                 400,
-                param="tool_choice",
+                param="tool_choice" if request.tool_choice is not None else "tools",
             )
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise APIError("Only response_format type 'text' is supported.", 400, param="response_format")
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", 400, param="top_logprobs")
 
-        prompt_text, conversation = self.apply_chat_template(request)
+        prompt_text = await self.apply_chat_template(request)
         prompt_ids = await self.tokenize(
             prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
         )
@@ -47,12 +46,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt: PromptInput = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         (engine_stream,) = await self.add_requests([prompt], params, "messages")
 
-        echo = ""
-        if request.echo and conversation and conversation[-1]["role"] == ROLE:
-            echo = conversation[-1]["content"] or ""
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
         opening = [
-            {"index": i, "delta": {"role": ROLE, "content": echo}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(request.n)
         ]
         form = ResponseForm(
@@ -62,16 +58,14 @@ class OpenAIServingChat(OpenAIServing):
             stream=request.stream,
             num_prompt_tokens=len(prompt_ids),
             chunk_choice=self._chunk_choice(request),
-            choices=lambda finals: self._choices(finals[0], request, echo),
+            choices=lambda finals: self._choices(finals[0], request),
             opening=opening,
         )
         return await self.respond(
             raw_request, [self.observed(engine_stream, tracker)], form, request.stream_options
         )
 
-    def _choices(
-        self, final: RequestOutput, request: ChatCompletionRequest, echo: str
-    ) -> list[dict[str, Any]]:
+    def _choices(self, final: RequestOutput, request: ChatCompletionRequest) -> list[dict[str, Any]]:
         choices = []
         for out in final.outputs:
             logprobs = None
@@ -80,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 {
                     "index": out.index,
-                    "message": {"role": ROLE, "content": echo + out.text, "tool_calls": []},
+                    "message": {"role": ROLE, "content": out.text, "tool_calls": []},
                     "logprobs": logprobs,
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,

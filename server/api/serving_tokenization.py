@@ -19,7 +19,7 @@ class OpenAIServingTokenization(OpenAIServing):
     ) -> TokenizeResponse:
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text, _ = self.apply_chat_template(request)
+            text = await self.apply_chat_template(request)
         else:
             text = request.prompt
         ids = await self.tokenize(text, request.add_special_tokens)

@@ -106,7 +106,7 @@ def test_chat_template_is_applied(hasher):
 
 
 def test_fast_paths_match_the_reference_tokenization(hasher):
-    assert hasher._template is not None and hasher._split is not None
+    assert hasher._templates is not None and hasher._split is not None
     rnd = random.Random(0)
     words = [
         "hello",
@@ -165,7 +165,7 @@ def test_router_tokens_match_the_engine_tokenizer_of_the_default_model():
     except Exception as exc:  # pragma: no cover - depends on the engine's loader being there
         pytest.skip(f"default model unavailable: {exc}")
     h = PromptHasher(folder, "SmolLM2-135M-Instruct", 16)
-    assert h._template is not None and h._split is not None
+    assert h._templates is not None and h._split is not None
     from transformers import PreTrainedTokenizerFast
 
     ref = PreTrainedTokenizerFast.from_pretrained(folder)

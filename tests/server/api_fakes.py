@@ -12,6 +12,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
+from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.processor import Processor
@@ -24,7 +26,11 @@ OFFSET = 3
 
 class FakeTokenizer:
     eos_token_id = 2
-    chat_template = "fake"
+    # Renders as apply_chat_template below does (the server renders templates itself: chat_template.py).
+    chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
 
     def __len__(self) -> int:
         return 256 + OFFSET
@@ -189,3 +195,10 @@ class FakeEngine(AsyncEngine):
     @property
     def finished(self) -> list[str]:
         return self.scripted.finished
+
+
+async def app_client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:
+    """An HTTP client of ``build_app(engine, ServerSettings(**settings))``, in-process; starts the engine."""
+    app = build_app(engine, ServerSettings(**settings))  # type: ignore[arg-type]
+    await engine.start()  # httpx's ASGI transport does not run the lifespan
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import SCRIPT, FakeEngine
+from api_fakes import SCRIPT, FakeEngine, app_client
 from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.api.metrics import build_1_2_5_buckets
 from pagedserve.server.api.protocol import (
@@ -30,21 +30,8 @@ MODEL = "fake-model"
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine()
-    yield engine
-    await engine.shutdown(grace_seconds=0)
-
-
-async def _client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:
-    app = build_app(engine, ServerSettings(**settings))  # type: ignore[arg-type]
-    await engine.start()  # httpx's ASGI transport does not run the lifespan
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-@pytest.fixture
 async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with await _client(engine) as c:
+    async with await app_client(engine) as c:
         yield c
 
 
@@ -79,8 +66,9 @@ def test_schema_accepts_openai_shapes() -> None:
     assert chat.max_tokens is None and chat.max_completion_tokens is None
     parts = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     assert parts.messages[0].content[0].text == "a"  # type: ignore[index,union-attr]
-    # unknown fields are accepted (clients send fields a server may not know)
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], some_future_field=1)
+    # unknown fields are refused, as OpenAI does (issue 14: an ignored field is a silent no-op)
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], some_future_field=1)
 
 
 @pytest.mark.parametrize(
@@ -262,8 +250,8 @@ async def test_error_shapes(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"a": 1}}), 400)
     msgs = [{"role": "user", "content": "x"}]
     assert_error(await client.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}), 400)
-    broken = {"messages": msgs, "chat_template": "broken"}
-    assert_error(await client.post("/v1/chat/completions", json=broken), 400, "messages")
+    untrusted = {"messages": msgs, "chat_template": "{{ messages }}"}  # issue 14: refused unless trusted
+    assert_error(await client.post("/v1/chat/completions", json=untrusted), 400, "chat_template")
     min_tokens = {"prompt": "x", "max_tokens": 2, "min_tokens": 5}
     assert_error(await client.post("/v1/completions", json=min_tokens), 400, "min_tokens")
     assert_error(await client.get("/v1/nothing-here"), 404)
@@ -273,7 +261,7 @@ async def test_error_shapes(client: httpx.AsyncClient) -> None:
 
 
 async def test_api_key(engine: FakeEngine) -> None:
-    async with await _client(engine, api_key="s3cret") as client:
+    async with await app_client(engine, api_key="s3cret") as client:
         assert assert_error(await client.get("/v1/models"), 401)["code"] == "invalid_api_key"
         wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
         assert_error(wrong, 401)
@@ -373,7 +361,6 @@ async def test_client_disconnect_aborts(engine: FakeEngine, stream: bool) -> Non
     payload = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": stream}
     await _call_and_disconnect(engine, "/v1/chat/completions", payload, after_first_chunk=stream)
     assert len(engine.aborted) == 2 and not engine.running and not engine.finished
-
 
 
 async def test_a_request_the_core_refuses_fails_alone(engine: FakeEngine) -> None:
