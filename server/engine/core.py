@@ -171,7 +171,11 @@ class EngineCore:
             item.request.num_computed_tokens += item.num_new_tokens
         now = time.time()
         outputs = []
+        failed: dict[str, Exception] = {}
         for request, token in sampled:
+            if isinstance(token, Exception):  # its row alone failed (server/worker/sampler.py sample_each)
+                failed[request.request_id] = token
+                continue
             self._append_token(request, token, now)
             if request.finished:
                 self.scheduler.finish(request, request.status)
@@ -187,6 +191,8 @@ class EngineCore:
                     metrics=request.metrics,
                 )
             )
+        if failed:
+            raise self._fail_requests(failed, outputs) from next(iter(failed.values()))
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: BaseException) -> StepError:
@@ -196,6 +202,13 @@ class EngineCore:
         # Blocks registered for this step may hold half-written K/V: forget every cached prefix.
         self.kv.pool.reset_prefix_cache()
         return StepError(request_ids, exc)
+
+    def _fail_requests(self, failed: dict[str, Exception], outputs: list[EngineCoreOutput]) -> StepError:
+        """Some requests' tokens could not be sampled: abort those alone. The forward pass succeeded, so
+        the cached prefixes stay; the others' outputs of this step travel with the error."""
+        request_ids = list(failed)
+        self.abort_requests(request_ids)
+        return StepError(request_ids, next(iter(failed.values())), outputs)
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
         if request.num_output_tokens == 0:
