@@ -72,6 +72,8 @@ def test_generation_config_setting_is_checked_and_reaches_the_engine(tmp_path: P
 def test_offline_defaults_when_no_sampling_params(llm: LLM, greedy_tokens: list[int]) -> None:
     (out,) = llm.generate(PROMPT)
     assert out.outputs[0].token_ids == greedy_tokens[:5]
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.7, 1, 0.9)
     # A caller's own SamplingParams are its own (vLLM), except max_tokens=None: the model's default.
     (own,) = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
     assert own.outputs[0].token_ids == greedy_tokens[:8]

@@ -110,9 +110,18 @@ def test_every_sampler_path_stays_on_the_logits_device() -> None:
         assert any(o.startswith(op) for o in check.ops), op
 
 
-def test_every_sampler_path_gives_tokens_on_cpu() -> None:
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ]),
+])
+def test_every_sampler_path_gives_tokens(device: str) -> None:
     requests = every_path()
-    tokens = sample(torch.randn(len(requests), VOCAB), requests)
+    for request in requests:
+        if request.generator is not None:  # the core makes them on its device
+            request.generator = torch.Generator(device=device).manual_seed(request.generator.initial_seed())
+    tokens = sample(torch.randn(len(requests), VOCAB, device=device), requests)
     assert [t.token_id for t in tokens][4] in (10, 11)
     assert tokens[9].token_id in (1, 3)  # 2 is banned after 13
     assert tokens[1].top_ids is not None and len(tokens[1].top_ids) == 2
