@@ -192,7 +192,11 @@ class EngineCore:
                 )
             )
         if failed:
-            raise self._fail_requests(failed, outputs) from next(iter(failed.values()))
+            # Only these fail: the forward pass went well, so the cached prefixes stay (unlike _fail_step),
+            # and the other requests' outputs of this step travel with the error to the front end.
+            cause = next(iter(failed.values()))
+            self.abort_requests(list(failed))
+            raise StepError(list(failed), cause, outputs) from cause
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: BaseException) -> StepError:
@@ -202,13 +206,6 @@ class EngineCore:
         # Blocks registered for this step may hold half-written K/V: forget every cached prefix.
         self.kv.pool.reset_prefix_cache()
         return StepError(request_ids, exc)
-
-    def _fail_requests(self, failed: dict[str, Exception], outputs: list[EngineCoreOutput]) -> StepError:
-        """Some requests' tokens could not be sampled: abort those alone. The forward pass succeeded, so
-        the cached prefixes stay; the others' outputs of this step travel with the error."""
-        request_ids = list(failed)
-        self.abort_requests(request_ids)
-        return StepError(request_ids, next(iter(failed.values())), outputs)
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
         if request.num_output_tokens == 0:

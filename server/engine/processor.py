@@ -150,8 +150,8 @@ class Processor:
         for word in bad_words:
             alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            sequences.append(alone)
-            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.extend([alone] if alone else [])
+            if alone and len(spaced) == len(alone) and spaced[0] != alone[0]:
                 sequences.append(spaced)
         self._check_token_ids("bad_words", [t for sequence in sequences for t in sequence])
         return sequences

@@ -22,24 +22,17 @@ FILE_NAME = "generation_config.json"
 SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
-def generation_config_folder(model_path: Path, generation_config: str) -> Path | None:
-    """The folder whose generation_config.json gives the defaults; None for ``"vllm"``."""
-    if generation_config == "vllm":
-        return None
-    if generation_config == "auto":
-        return model_path
-    return Path(generation_config).expanduser()
-
-
 def sampling_defaults(model_path: Path, generation_config: str = "auto") -> dict[str, Any]:
     """The file's sampling values by SamplingParams name; ``{}`` when there is none.
 
     Raises ValueError when a value is one SamplingParams refuses: better at start-up than a 400 on every
     request that leaves it unset.
     """
-    folder = generation_config_folder(model_path, generation_config)
-    path = folder / FILE_NAME if folder is not None else None
-    if path is None or not path.is_file():
+    if generation_config == "vllm":
+        return {}
+    folder = model_path if generation_config == "auto" else Path(generation_config).expanduser()
+    path = folder / FILE_NAME
+    if not path.is_file():
         return {}
     values = json.loads(path.read_text())
     defaults = {key: values[key] for key in SAMPLING_KEYS if values.get(key) is not None}
