@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Request defaults from a generation_config.json: "auto" (the model's), "vllm" (none) or a folder
+    # holding one (server/loader/generation_config.py).
+    generation_config: str = "auto"
     # "triton" | "cpu" | "torch"; None: $PAGEDSERVE_ATTENTION_BACKEND, else by device (server/backend.py).
     # The engine sets it to the backend it runs.
     attention_backend: str | None = None
@@ -57,6 +61,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.generation_config not in ("auto", "vllm") and not (
+            Path(self.generation_config).expanduser() / "generation_config.json"
+        ).is_file():
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                f"got {self.generation_config!r}"
+            )
 
     @property
     def torch_device(self) -> torch.device:

@@ -25,6 +25,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses when given none: the model's generation_config.json values (vLLM's)."""
+        return self.engine.processor.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -39,7 +43,7 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

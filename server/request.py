@@ -42,6 +42,8 @@ class Request:
     eos_token_ids: frozenset[int]
     metrics: RequestMetrics
     seed: int | None = None
+    # params.bad_words as token sequences (server/engine/processor.py tokenizes them)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling

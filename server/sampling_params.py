@@ -39,6 +39,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated; the Processor tokenizes them for the core
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -71,6 +73,9 @@ class SamplingParams:
              "must be less than or equal to max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "must not be empty"),
+            (all(w.strip() for w in self.bad_words or []), "bad_words", "must not contain blank strings"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -106,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument(
+        "--generation-config",
+        default="auto",
+        help="request defaults from generation_config.json: auto (the model's), vllm (none) or a folder",
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -128,6 +133,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        generation_config=args.generation_config,
     )
 
 

@@ -195,6 +195,8 @@ class _SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     priority: Literal[0] = Field(0, description="vLLM's; only 0: priority scheduling is not implemented")
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
 
 
 class ResponseFormat(RequestModel):

@@ -266,6 +266,8 @@ class OpenAIServing:
             "skip_special_tokens": request.skip_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "seed": request.seed,
+            "allowed_token_ids": request.allowed_token_ids,
+            "bad_words": request.bad_words,
             "output_kind": RequestOutputKind.DELTA,
         }
         for name in (
@@ -278,6 +280,8 @@ class OpenAIServing:
             "repetition_penalty",
         ):
             value = getattr(request, name)
+            if value is None:  # unset: the model's generation_config.json value, if any
+                value = self.engine.generation_defaults.get(name)
             if value is not None:
                 kwargs[name] = value
         if request.logit_bias:

@@ -134,6 +134,10 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.processor.vocab_size
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return self.processor.generation_defaults
+
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -241,6 +245,8 @@ class AsyncEngine:
             try:
                 core_outputs = core.step()
             except StepError as exc:
+                if exc.outputs:  # the step's requests that did not fail
+                    self._to_loop(self._on_step, exc.outputs)
                 self._to_loop(self._on_step_failed, exc.request_ids, exc)
                 continue
             except Exception as exc:  # a bug outside the forward pass: fail everything, keep serving

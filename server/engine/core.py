@@ -171,7 +171,11 @@ class EngineCore:
             item.request.num_computed_tokens += item.num_new_tokens
         now = time.time()
         outputs = []
+        failed: dict[str, Exception] = {}
         for request, token in sampled:
+            if isinstance(token, Exception):  # its row alone failed (server/worker/sampler.py sample_each)
+                failed[request.request_id] = token
+                continue
             self._append_token(request, token, now)
             if request.finished:
                 self.scheduler.finish(request, request.status)
@@ -187,6 +191,12 @@ class EngineCore:
                     metrics=request.metrics,
                 )
             )
+        if failed:
+            # Only these fail: the forward pass went well, so the cached prefixes stay (unlike _fail_step),
+            # and the other requests' outputs of this step travel with the error to the front end.
+            cause = next(iter(failed.values()))
+            self.abort_requests(list(failed))
+            raise StepError(list(failed), cause, outputs) from cause
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: BaseException) -> StepError:

@@ -7,6 +7,8 @@ its error ``code``; server/api/serving_base.py turns it into an OpenAI 400 in ex
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class InvalidRequestError(ValueError):
     """A request the engine will not run: a bad prompt, parameter or limit."""
@@ -19,11 +21,19 @@ class InvalidRequestError(ValueError):
 
 
 class StepError(RuntimeError):
-    """A forward pass failed; the requests in that batch were aborted, the engine goes on."""
+    """A step failed for ``request_ids``; those were aborted, the engine goes on.
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    A failed forward pass fails its whole batch; a request whose token alone could not be sampled fails
+    alone, and ``outputs`` then holds what the step's other requests gained (the core's
+    EngineCoreOutputs, or the RequestOutputs made from them by server/engine/llm_engine.py).
+    """
+
+    def __init__(
+        self, request_ids: list[str], cause: BaseException, outputs: list[Any] | None = None
+    ) -> None:
         super().__init__(f"engine step failed for {len(request_ids)} requests: {cause!r}")
         self.request_ids = request_ids
+        self.outputs = outputs or []
 
 
 class EngineDeadError(RuntimeError):

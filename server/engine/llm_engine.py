@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.core import EngineCore
-from pagedserve.server.engine.core_output import EngineStats
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
@@ -55,17 +55,22 @@ class LLMEngine:
             core_outputs = self.core.step()
         except StepError as exc:
             raise self._fail(exc) from exc.__cause__
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         processed = self.output_processor.process_outputs(core_outputs)
         self.core.abort_requests(processed.to_abort)
         return processed.request_outputs
 
     def _fail(self, exc: StepError) -> StepError:
-        """The core aborted the step's samples; abort their requests whole and name those."""
+        """The core aborted these samples; abort their requests whole and name those. The step's other
+        requests' outputs are processed still and travel with the error."""
+        outputs = self._process(exc.outputs)
         parents = self.output_processor.parent_of
         request_ids = sorted({parents[i] for i in exc.request_ids if i in parents})
         for request_id in request_ids:
             self.abort_request(request_id)
-        return StepError(request_ids, exc.__cause__ or exc)
+        return StepError(request_ids, exc.__cause__ or exc, outputs)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.loader.generation_config import sampling_defaults
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 
@@ -46,12 +47,23 @@ class Processor:
         max_model_len: int,
         max_num_seqs: int,
         eos_token_ids: frozenset[int],
+        generation_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
+        # The model's sampling defaults (server/loader/generation_config.py): for fields a request leaves
+        # unset, applied where requests are made (server/api/serving_base.py, server/llm.py) and here.
+        self.generation_defaults = dict(generation_defaults or {})
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a caller that gives no SamplingParams gets (vLLM's ``LLM.get_default_sampling_params``)."""
+        fields = dict(self.generation_defaults)
+        if "max_tokens" in fields:
+            fields["max_tokens"] = None  # _max_tokens applies the model's default within the context left
+        return SamplingParams(**fields)
 
     def process(
         self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
@@ -61,6 +73,8 @@ class Processor:
         max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
         self._check_token_ids("logit_bias", params.logit_bias or {})
         self._check_token_ids("stop_token_ids", params.stop_token_ids or [])
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
+        bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}.", param="n"
@@ -76,6 +90,7 @@ class Processor:
                 eos_token_ids=eos,
                 metrics=RequestMetrics(arrival_time=arrival),
                 seed=params.seed + index if params.seed is not None else None,
+                bad_words_token_ids=bad_words_token_ids,
             )
             for index in range(params.n)
         ]
@@ -108,10 +123,11 @@ class Processor:
             )
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """vLLM's rule: no max_tokens means up to max_model_len; over the limit is an error naming it."""
+        """vLLM's rule: no max_tokens means the model's default (generation_config.json's max_new_tokens)
+        within max_model_len, else up to max_model_len; asking over the limit is an error naming it."""
         limit = self.max_model_len
         if requested is None:
-            return limit - prompt_len
+            return min(limit - prompt_len, self.generation_defaults.get("max_tokens", limit))
         if prompt_len + requested > limit:
             raise InvalidRequestError(
                 f"This model's maximum context length (max_model_len) is {limit} tokens. However, you "
@@ -125,6 +141,20 @@ class Processor:
     def _check_token_ids(self, param: str, ids: Any) -> None:
         if any(int(t) < 0 or int(t) >= self.vocab_size for t in ids):
             raise InvalidRequestError(f"{param} must be token ids in [0, {self.vocab_size}).", param=param)
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token sequences, as vLLM's ``SamplingParams.update_from_tokenizer`` makes them:
+        the word as written (it may start the text) and, when that is a different word token of the same
+        length, after a space (the word inside the text)."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            sequences.extend([alone] if alone else [])
+            if alone and len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        self._check_token_ids("bad_words", [t for sequence in sequences for t in sequence])
+        return sequences
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -161,4 +191,5 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         config.max_model_len,
         config.max_num_seqs,
         eos_token_ids(core.model_path, tokenizer),
+        sampling_defaults(core.model_path, config.generation_config),
     )

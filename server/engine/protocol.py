@@ -52,6 +52,9 @@ class EngineClient(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]: ...  # sampling defaults (--generation-config)
+
     async def add_request(
         self, request_id: str, prompt: PromptInput, params: SamplingParams
     ) -> RequestStream:

@@ -4,6 +4,7 @@
 - ``resolve_model(model)``: None, a folder, a ``.gguf`` file or a Hugging Face hub id -> a local folder.
 - ``load_model(path, dtype, device, backend=...)``: our torch model with the folder's safetensors loaded,
   and its config.
+- ``sampling_defaults(path, generation_config)``: generation_config.json's sampling values (request defaults).
 
 Exports are lazy: resolving a model (or finding the default model's tokenizer) never imports torch.
 """
@@ -18,12 +19,21 @@ _LAZY = {
     "load_model": "pagedserve.server.loader.weights",
     "load_config": "pagedserve.server.loader.weights",
     "resolve_dtype": "pagedserve.server.loader.weights",
+    "sampling_defaults": "pagedserve.server.loader.generation_config",
 }
 
-__all__ = ["default_model", "load_config", "load_model", "resolve_dtype", "resolve_model"]
+__all__ = [
+    "default_model",
+    "load_config",
+    "load_model",
+    "resolve_dtype",
+    "resolve_model",
+    "sampling_defaults",
+]
 
 if TYPE_CHECKING:
     from pagedserve.server.loader.default_model import default_model
+    from pagedserve.server.loader.generation_config import sampling_defaults
     from pagedserve.server.loader.resolve import resolve_model
     from pagedserve.server.loader.weights import load_config, load_model, resolve_dtype
 

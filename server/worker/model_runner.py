@@ -15,7 +15,7 @@ from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.request import Request
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
-from pagedserve.server.worker.sampler import SampledToken, sample
+from pagedserve.server.worker.sampler import SampledToken, sample_each
 from torch import nn
 
 
@@ -68,7 +68,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
-    ) -> list[tuple[Request, SampledToken]]:
+    ) -> list[tuple[Request, SampledToken | Exception]]:
+        """One forward pass; each sampled request's token, or the exception its row alone raised."""
         inputs = self.prepare(scheduled, block_ids)
         if self.graphs is not None and self.graphs.fits(inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -77,7 +78,7 @@ class ModelRunner:
         if not inputs.sampled_requests:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        return list(zip(inputs.sampled_requests, sample(logits, inputs.sampled_requests), strict=False))
+        return list(zip(inputs.sampled_requests, sample_each(logits, inputs.sampled_requests), strict=True))
 
     def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]

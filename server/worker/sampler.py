@@ -1,16 +1,24 @@
 """Turns one step's logits into next tokens, vectorised over the batch.
 
-Order, as in vLLM: logprobs come from the raw logits; then logit bias, min_tokens masking and the
-presence / frequency / repetition penalties; greedy rows take the argmax, the others are scaled by
-temperature, filtered by top-k, top-p and min-p and sampled with per-request generators.
+Order, as in vLLM V1's sampler (vllm/v1/sample/sampler.py): logprobs come from the raw logits; then
+allowed_token_ids, bad_words, min_tokens masking, logit bias and the presence / frequency / repetition
+penalties; greedy rows take the argmax, the others are scaled by temperature, filtered by min-p, then
+top-k and top-p, and sampled with per-request generators.
+
+Every tensor made here lives on ``logits.device`` and nothing reads a tensor back to the host before
+``SamplerOutput.to_host``: on a GPU a host tensor in an op raises, and a read-back stalls the step
+(tests/engine/test_sampler.py runs every path on the ``meta`` device to prove both).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from pagedserve.server.request import Request
+
+logger = logging.getLogger("pagedserve.engine")
 
 
 @dataclass
@@ -22,21 +30,140 @@ class SampledToken:
     top_logprobs: list[float] | None = None
 
 
+@dataclass
+class LogprobTensors:
+    """The raw logprobs a step's requests asked for, one row per request, still on the device."""
+
+    chosen: torch.Tensor  # [batch] logprob of the sampled token
+    ranks: torch.Tensor  # [batch] its rank, 1 = most likely
+    top_ids: torch.Tensor | None  # [batch, max k] or None when every k is 0
+    top_values: torch.Tensor | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [batch] long
+    logprobs: LogprobTensors | None  # None when no request asked for logprobs
+
+    def to_host(self, requests: list[Request]) -> list[SampledToken]:
+        """The one read-back of the step: each request's token and the logprobs it asked for."""
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return [SampledToken(t) for t in token_ids]
+        chosen, ranks = self.logprobs.chosen.tolist(), self.logprobs.ranks.tolist()
+        top_ids = self.logprobs.top_ids.tolist() if self.logprobs.top_ids is not None else None
+        top_values = self.logprobs.top_values.tolist() if self.logprobs.top_values is not None else None
+        results = []
+        for row, (token_id, request) in enumerate(zip(token_ids, requests, strict=True)):
+            k = request.params.logprobs
+            if k is None:
+                results.append(SampledToken(token_id))
+                continue
+            results.append(SampledToken(
+                token_id=token_id,
+                logprob=chosen[row],
+                rank=ranks[row],
+                top_ids=top_ids[row][:k] if k and top_ids else [],
+                top_logprobs=top_values[row][:k] if k and top_values else [],
+            ))
+        return results
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-    """``logits`` ``[len(requests), vocab]`` fp32, one row per request that needs a new token."""
+    """``logits`` ``[len(requests), vocab]``, one row per request that needs a new token."""
+    return sample_on_device(logits, requests).to_host(requests)
+
+
+def sample_each(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken | Exception]:
+    """``sample``, but a row that cannot be sampled fails its own request, never the batch.
+
+    Requests are checked before they run (server/engine/processor.py), yet a row can still fail in ways
+    no check foresees (a bug on a path only some parameters take, memory for a large penalty). Then
+    each row is sampled alone: a failing row gets its exception, the others their tokens. Seeded
+    generators are rewound first, so a retried row draws exactly what it would have drawn.
+    """
+    states = [r.generator.get_state() if r.generator is not None else None for r in requests]
+    try:
+        return list(sample(logits, requests))
+    except Exception:
+        logger.exception("sampling a batch of %d failed; sampling each request alone", len(requests))
+    results: list[SampledToken | Exception] = []
+    for row, (request, state) in enumerate(zip(requests, states, strict=True)):
+        if request.generator is not None and state is not None:
+            request.generator.set_state(state)
+        try:
+            results.extend(sample(logits[row:row + 1], [request]))
+        except Exception as exc:  # this request's row: it fails alone
+            logger.exception("sampling request %s failed", request.request_id)
+            results.append(exc)
+    return results
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     logits = logits.float()
-    raw_logprobs = _raw_logprobs(logits, requests)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if _any_logprobs(requests) else None
+    logits = _apply_allowed_token_ids(logits, requests)
+    logits = _mask(logits, _bad_word_bans(requests))
+    logits = _mask(logits, _stop_tokens_before_min(requests))
     logits = _apply_logit_bias(logits, requests)
-    logits = _mask_stop_tokens_before_min(logits, requests)
     logits = _apply_penalties(logits, requests)
     token_ids = _choose(logits, requests)
-    return _with_logprobs(token_ids, raw_logprobs, requests)
+    logprobs = _logprob_tensors(raw_logprobs, token_ids, requests) if raw_logprobs is not None else None
+    return SamplerOutput(token_ids, logprobs)
 
 
-def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
-    if all(r.params.logprobs is None for r in requests):
-        return None
-    return torch.log_softmax(logits, dim=-1)
+def _any_logprobs(requests: list[Request]) -> bool:
+    return any(r.params.logprobs is not None for r in requests)
+
+
+def _cells(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))
+
+
+def _mask(logits: torch.Tensor, cells: tuple[list[int], list[int]]) -> torch.Tensor:
+    """``-inf`` at each (row, token) of ``cells``: those tokens cannot be sampled this step."""
+    rows, cols = cells
+    if not rows:
+        return logits
+    return logits.index_put(_cells(rows, cols, logits.device),
+                            torch.tensor(float("-inf"), device=logits.device))
+
+
+def _apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    restricted = [row for row, r in enumerate(requests) if r.params.allowed_token_ids]
+    if not restricted:
+        return logits
+    device = logits.device
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    allowed[torch.tensor(restricted, dtype=torch.long, device=device)] = False
+    rows = [row for row in restricted for _ in requests[row].params.allowed_token_ids or []]
+    cols = [t for row in restricted for t in requests[row].params.allowed_token_ids or []]
+    allowed = allowed.index_put(_cells(rows, cols, device), torch.tensor(True, device=device))
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _bad_word_bans(requests: list[Request]) -> tuple[list[int], list[int]]:
+    """vLLM's rule: a bad word's last token is banned when the generated tokens end with the rest of it."""
+    rows, cols = [], []
+    for row, request in enumerate(requests):
+        output = request.output_token_ids
+        for word in request.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                rows.append(row)
+                cols.append(word[-1])
+    return rows, cols
+
+
+def _stop_tokens_before_min(requests: list[Request]) -> tuple[list[int], list[int]]:
+    rows, cols = [], []
+    for row, request in enumerate(requests):
+        if request.num_output_tokens < request.params.min_tokens:
+            stop_ids = set(request.params.stop_token_ids or []) | set(request.eos_token_ids)
+            rows.extend([row] * len(stop_ids))
+            cols.extend(stop_ids)
+    return rows, cols
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -46,23 +173,10 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Te
             rows.append(row)
             cols.append(int(token_id))
             values.append(float(bias))
-    if rows:
-        logits = logits.clone()
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values), accumulate=True)
-    return logits
-
-
-def _mask_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    rows, cols = [], []
-    for row, request in enumerate(requests):
-        if request.num_output_tokens < request.params.min_tokens:
-            stop_ids = set(request.params.stop_token_ids or []) | set(request.eos_token_ids)
-            rows.extend([row] * len(stop_ids))
-            cols.extend(stop_ids)
-    if rows:
-        logits = logits.clone()
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
-    return logits
+    if not rows:
+        return logits
+    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits.index_put(_cells(rows, cols, logits.device), bias, accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -72,50 +186,69 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     ]
     if not penalised:
         return logits
-    logits = logits.clone()
-    vocab = logits.shape[1]
-    for row in penalised:
-        params = requests[row].params
-        output_counts = torch.bincount(
-            torch.tensor(requests[row].output_token_ids, dtype=torch.long), minlength=vocab
-        )[:vocab].to(logits.device, logits.dtype)
-        if params.repetition_penalty != 1.0:
-            seen = output_counts > 0
-            seen[torch.tensor(requests[row].prompt_token_ids, dtype=torch.long).clamp(max=vocab - 1)] = True
-            values = logits[row]
-            scaled = torch.where(values > 0, values / params.repetition_penalty,
-                                 values * params.repetition_penalty)
-            logits[row] = torch.where(seen, scaled, values)
-        logits[row] -= params.frequency_penalty * output_counts
-        logits[row] -= params.presence_penalty * (output_counts > 0).to(logits.dtype)
-    return logits
+    device = logits.device
+    chosen = [requests[row] for row in penalised]
+    index = torch.tensor(penalised, dtype=torch.long, device=device)
+    values = logits.index_select(0, index)
+    output_counts = _token_counts([r.output_token_ids for r in chosen], values)
+    generated = output_counts > 0
+    seen = generated | (_token_counts([r.prompt_token_ids for r in chosen], values) > 0)
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(r.params, name) for r in chosen], dtype=values.dtype,
+                            device=device).unsqueeze(1)
+
+    repetition = column("repetition_penalty")
+    scaled = torch.where(values > 0, values / repetition, values * repetition)
+    values = torch.where(seen, scaled, values)
+    values = values - column("frequency_penalty") * output_counts
+    values = values - column("presence_penalty") * generated.to(values.dtype)
+    return logits.index_copy(0, index, values)
 
 
-def _choose(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """``[len(token_lists), vocab]``: how often each token occurs in each list."""
+    rows = [row for row, tokens in enumerate(token_lists) for _ in tokens]
+    cols = [t for tokens in token_lists for t in tokens]
+    counts = torch.zeros_like(like)
+    if not rows:
+        return counts
+    ones = torch.ones(len(rows), dtype=like.dtype, device=like.device)
+    return counts.index_put(_cells(rows, cols, like.device), ones, accumulate=True)
+
+
+def _choose(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     chosen = logits.argmax(dim=-1)
     random_rows = [row for row, r in enumerate(requests) if not r.params.greedy]
     if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
+        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         probs = _filtered_probs(logits.index_select(0, index), [requests[r] for r in random_rows])
         picks = _exponential_race(probs, [requests[r].generator for r in random_rows])
-        chosen[index] = picks
-    return chosen.tolist()
+        chosen = chosen.index_copy(0, index, picks)
+    return chosen
 
 
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, then min-p, then top-k and top-p (vLLM's order), as probabilities."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in requests], device=device)
-    logits = logits / temperature.unsqueeze(1)
-    top_k = torch.tensor([r.params.top_k for r in requests], device=device)
-    top_p = torch.tensor([r.params.top_p for r in requests], device=device)
-    min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-        logits = _top_k_top_p(logits, top_k, top_p)
+
+    def column(values: list[float] | list[int]) -> torch.Tensor:
+        return torch.tensor(values, device=device)
+
+    logits = logits / column([r.params.temperature for r in requests]).unsqueeze(1)
+    if any(r.params.min_p > 0 for r in requests):
+        logits = _apply_min_p(logits, column([r.params.min_p for r in requests]))
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in requests):
+        top_k = column([r.params.top_k for r in requests])
+        logits = _top_k_top_p(logits, top_k, column([r.params.top_p for r in requests]))
+    return torch.softmax(logits, dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop the tokens less likely than ``min_p`` times the most likely one."""
     probs = torch.softmax(logits, dim=-1)
-    if bool((min_p > 0).any()):
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -136,34 +269,19 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     noise = torch.empty_like(probs)
     unseeded = [row for row, g in enumerate(generators) if g is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        index = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+        draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        noise = noise.index_copy(0, index, draws)
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
 
 
-def _with_logprobs(
-    token_ids: list[int], raw_logprobs: torch.Tensor | None, requests: list[Request]
-) -> list[SampledToken]:
-    if raw_logprobs is None:
-        return [SampledToken(t) for t in token_ids]
+def _logprob_tensors(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     requests: list[Request]) -> LogprobTensors:
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     max_k = max(r.params.logprobs or 0 for r in requests)
-    chosen = torch.tensor(token_ids, device=raw_logprobs.device).unsqueeze(1)
-    chosen_logprobs = raw_logprobs.gather(1, chosen)
-    ranks = (raw_logprobs > chosen_logprobs).sum(dim=-1) + 1
     top_values, top_ids = raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None)
-    results = []
-    for row, (token_id, request) in enumerate(zip(token_ids, requests, strict=False)):
-        k = request.params.logprobs
-        if k is None:
-            results.append(SampledToken(token_id))
-            continue
-        results.append(SampledToken(
-            token_id=token_id,
-            logprob=float(chosen_logprobs[row, 0]),
-            rank=int(ranks[row]),
-            top_ids=top_ids[row, :k].tolist() if k else [],
-            top_logprobs=top_values[row, :k].tolist() if k else [],
-        ))
-    return results
+    return LogprobTensors(chosen.squeeze(1), ranks, top_ids, top_values)

@@ -3,13 +3,10 @@ param and code, because both go through server/engine/processor.py (and Sampling
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-from pagedserve.server.api.app import ServerSettings, build_app
-from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.exceptions import InvalidRequestError
 
 from pagedserve import LLM, SamplingParams, default_model
@@ -23,17 +20,6 @@ def llm() -> LLM:
     return LLM(str(default_model()), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
 
 
-@pytest.fixture
-async def client(llm: LLM) -> AsyncIterator[httpx.AsyncClient]:
-    # One model, two fronts: the server's engine steps the LLM's core (idle here: every request is refused).
-    engine = AsyncEngine(llm.engine.core, llm.engine.tokenizer, llm.engine.processor)
-    app = build_app(engine, ServerSettings(access_log=False))
-    await engine.start()  # httpx's ASGI transport does not run the lifespan
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        yield c
-    await engine.shutdown(grace_seconds=0)
-
-
 CASES = [
     pytest.param([], {}, id="empty-prompt"),
     pytest.param([10**6], {}, id="token-out-of-vocab"),
@@ -41,6 +27,9 @@ CASES = [
     pytest.param([5] * 10, {"max_tokens": MAX_MODEL_LEN}, id="max-tokens-too-many"),
     pytest.param([5] * 10, {"stop_token_ids": [-1]}, id="stop-token-id"),
     pytest.param([5] * 10, {"logit_bias": {999999: 5.0}}, id="logit-bias-id"),
+    pytest.param([5] * 10, {"allowed_token_ids": [5, 999999]}, id="allowed-token-id"),
+    pytest.param([5] * 10, {"allowed_token_ids": []}, id="allowed-token-ids-empty"),
+    pytest.param([5] * 10, {"bad_words": ["fine", " "]}, id="bad-words-blank"),
     pytest.param([5] * 10, {"n": MAX_NUM_SEQS + 1}, id="n-over-max-num-seqs"),
     pytest.param([5] * 10, {"max_tokens": 2, "min_tokens": 5}, id="min-over-max-tokens"),
 ]
