@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import LLM, SamplingParams, default_model
+from pagedserve import LLM, SamplingParams
 
 TEXT = "A shared system prompt that spans several KV blocks of sixteen tokens each. " * 6
 
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(str(default_model()))
 
 
 def cached_tokens(llm: LLM, salt: str | None) -> int:

@@ -11,7 +11,7 @@ from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import Processor
 from pagedserve.server.sampling_params import SamplingParams
 
-from pagedserve import LLM, default_model
+from pagedserve import LLM
 
 WORDS = {"[UNK]": 0, "hello": 1, "world": 2, "[CLS]": 3, "[SEP]": 4}
 
@@ -52,10 +52,6 @@ def test_spaces_between_special_tokens(wordpiece_tokenizer) -> None:
     for spaces in (True, False):
         assert detokenize(wordpiece_tokenizer, ids, spaces_between_special_tokens=spaces) == " world"
 
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(str(default_model()))
 
 
 def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:

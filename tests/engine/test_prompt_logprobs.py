@@ -9,24 +9,14 @@ import pytest
 import torch
 from pagedserve.server.engine.output import RequestOutput
 
-from pagedserve import LLM, SamplingParams, default_model
+from pagedserve import LLM, SamplingParams
 
 TOP_K = 3
 ATOL = 2e-3  # fp32 on CPU, our kernels vs HF's eager attention
 TEXT = (
-    "The history of computing is a story of abstraction layered on abstraction. Early machines were "
-    "programmed by rewiring panels; later, stored programs let the same hardware run different tasks. "
+    "Rivers carve valleys over millions of years; the water finds the softest rock and follows it, "
+    "while floods move boulders that a quiet summer stream could never shift. "
 )
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return str(default_model())
-
-
-@pytest.fixture(scope="module")
-def llm(model_path: str) -> LLM:
-    return LLM(model_path)
 
 
 @pytest.fixture(scope="module")
