@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from pagedserve.server.engine.output import RequestOutput
+from pagedserve.server.engine.core_output import EngineCoreOutput
+from pagedserve.server.engine.output import RequestMetrics, RequestOutput
+from pagedserve.server.engine.output_processor import OutputProcessor
+from pagedserve.server.sampling_params import RequestOutputKind
+from pagedserve.server.worker.sampler import SampledToken
 
 from pagedserve import LLM, SamplingParams
 
@@ -113,3 +117,27 @@ def test_prompt_logprobs_bounded_like_logprobs() -> None:
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_no_output_before_the_prompt_logprobs(llm: LLM) -> None:
+    """A second sample that runs ahead of the first (which computes the prompt logprobs) waits for them, so
+    a streamed echo never shows a choice without its prompt's logprobs; they come once, then deltas."""
+    engine = llm.engine
+    params = SamplingParams(n=2, max_tokens=4, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA)
+    outputs = OutputProcessor(engine.tokenizer)
+    outputs.add_request(engine.process_inputs("r", {"prompt_token_ids": [11, 12, 13]}, params))
+    prompt_logprobs = [SampledToken(12, -1.0, 1, [12], [-1.0]), SampledToken(13, -2.0, 2, [7], [-0.5])]
+
+    def step(*core_outputs: EngineCoreOutput) -> list[RequestOutput]:
+        return outputs.process_outputs(list(core_outputs)).request_outputs
+
+    def token(core_id: str, token_id: int, **kwargs: Any) -> EngineCoreOutput:
+        return EngineCoreOutput(core_id, [token_id], None, None, None, 0, RequestMetrics(0.0), **kwargs)
+
+    assert step(token("r#1", 42)) == []
+    (first,) = step(token("r#0", 43, prompt_logprobs=prompt_logprobs))
+    assert first.prompt_logprobs is not None and first.prompt_logprobs[0] is None
+    assert first.prompt_logprobs[2] is not None and set(first.prompt_logprobs[2]) == {13, 7}
+    assert sorted(c.index for c in first.outputs) == [0, 1]
+    (second,) = step(token("r#0", 44), token("r#1", 45))
+    assert second.prompt_logprobs is None and len(second.outputs) == 2
