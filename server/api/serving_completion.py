@@ -46,10 +46,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix")
         prompts = await self._prompts(request)
-        echo_only = bool(request.echo) and request.max_tokens == 0
         params = self.sampling_params(
             request,
-            1 if echo_only else request.max_tokens,
+            1 if _echo_only(request) else request.max_tokens,
             request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
         )
@@ -95,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if prompt is None:
             return self.completion_logprobs(out.token_ids, out.logprobs, k, 0)[0]
         prompt_part, offset = self.completion_logprobs(prompt.ids, final.prompt_logprobs, k, 0)
-        if request.max_tokens == 0:
+        if _echo_only(request):
             return prompt_part
         return _concat(prompt_part, self.completion_logprobs(out.token_ids, out.logprobs, k, offset)[0])
 
@@ -132,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if output.prompt_logprobs is not None:
                 prompt_steps[p_index] = output.prompt_logprobs
             i = p_index * n + delta.index
-            text = "" if request.echo and request.max_tokens == 0 else delta.text
+            text = "" if _echo_only(request) else delta.text
             echo_logprobs = None
             if request.echo and i not in started:
                 prompt = prompts[p_index]
@@ -143,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
             started.add(i)
             logprobs = None
-            if request.echo and request.max_tokens == 0:
+            if _echo_only(request):
                 logprobs = echo_logprobs
             elif k is not None and delta.logprobs is not None:
                 logprobs, offsets[i] = self.completion_logprobs(
@@ -162,9 +161,14 @@ class OpenAIServingCompletion(OpenAIServing):
         return shape
 
 
+def _echo_only(request: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the answer is the prompt alone (the engine generates one token unseen)."""
+    return bool(request.echo) and request.max_tokens == 0
+
+
 def _echoed(prompt_text: str, text: str, request: CompletionRequest) -> str:
     """A choice's text when echoing: the prompt, then the completion unless max_tokens was 0."""
-    return prompt_text if request.max_tokens == 0 else prompt_text + text
+    return prompt_text if _echo_only(request) else prompt_text + text
 
 
 def _concat(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, list[Any]]:
