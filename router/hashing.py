@@ -39,6 +39,15 @@ def seed_hash(model_name: str) -> int:
     return int.from_bytes(hashlib.blake2b(model_name.encode(), digest_size=8).digest(), "little")
 
 
+def salted_seed(seed: int, cache_salt: Any) -> int:
+    """The chain's root for a request with vLLM's ``cache_salt``: the engine salts its first block's
+    hash with it (server/core/kv_cache_manager.py), so different salts share no cached prefix."""
+    if not isinstance(cache_salt, str) or not cache_salt:
+        return seed
+    data = (seed & _MASK64).to_bytes(8, "little") + cache_salt.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids``: h_i = H(h_{i-1} || tokens of block i).
 
@@ -261,7 +270,8 @@ class PromptHasher:
         ids = self.token_ids_for(path, body)
         if not ids:
             return [], 0
-        return block_hashes(ids, self.block_size, self.seed), len(ids)
+        seed = salted_seed(self.seed, body.get("cache_salt"))
+        return block_hashes(ids, self.block_size, seed), len(ids)
 
 
 def load_tokenizer(name_or_path: str) -> Any:

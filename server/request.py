@@ -15,6 +15,7 @@ from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    from pagedserve.server.worker.sampler import SampledToken
 
 
 class RequestStatus(enum.Enum):
@@ -44,6 +45,10 @@ class Request:
     seed: int | None = None
     # params.bad_words as token sequences (server/engine/processor.py tokenizes them)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    cache_salt: str | None = None  # enters the first block's hash: only the same salt shares KV blocks
+    # Logprobs of prompt tokens 1.. as the runner computes them (None: not asked for). Only the first of
+    # n samples asks; computing them needs every prompt position, so this request skips prefix-cache hits.
+    prompt_logprobs: list[SampledToken] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling
@@ -62,6 +67,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still owed (one per prompt token after the first)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)

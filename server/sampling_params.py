@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pagedserve.server.engine.exceptions import InvalidRequestError
 
 SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
+MAX_LOGPROBS = 20  # top-k bound of logprobs and prompt_logprobs: vLLM's default --max-logprobs
 
 
 class RequestOutputKind(enum.Enum):
@@ -36,7 +37,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (the first has none)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # only matters when special tokens are shown
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled
@@ -71,7 +74,10 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "must be less than or equal to max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
              "must not be empty"),

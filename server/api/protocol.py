@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # torch.iinfo(torch.long): a seed must fit a 64-bit generator seed. Written out to keep torch out of here.
 _LONG_MIN = -(2**63)
@@ -197,6 +197,8 @@ class _SamplingFields(RequestModel):
     priority: Literal[0] = Field(0, description="vLLM's; only 0: priority scheduling is not implemented")
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: Text | None = Field(None, min_length=1)  # only requests with the same salt share KV blocks
 
 
 class ResponseFormat(RequestModel):
@@ -211,10 +213,16 @@ class CompletionRequest(_SamplingFields):
     prompt: list[int] | list[list[int]] | Text | list[Text]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     suffix: Text | None = None
     add_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _max_tokens_zero_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, to score the prompt)")
+        return self
 
 
 class ChatMessageContentPart(OpenAIBaseModel):
@@ -263,6 +271,16 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
 
 
 # ------------------------------------------------------------------------------------------ completions
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token null (the first) or {token id: its logprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogProbs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -276,6 +294,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -342,6 +361,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

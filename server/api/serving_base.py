@@ -29,7 +29,6 @@ from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
 from pagedserve.server.api.protocol import ChatCompletionMessageParam, ChatTemplateFields, StreamOptions
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
-from pagedserve.server.engine.processor import PromptInput
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from starlette.requests import Request
@@ -38,8 +37,8 @@ from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
-# Shapes one delta of one choice into a chunk's choice: (index of the prompt, the delta).
-ChoiceShaper = Callable[[int, CompletionOutput], dict[str, Any]]
+# Shapes one delta of one choice into a chunk's choice: (index of the prompt, its output, the delta).
+ChoiceShaper = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any]]
 
 
 @dataclass
@@ -54,6 +53,7 @@ class ResponseForm:
     chunk_choice: ChoiceShaper  # a streamed delta -> a chunk's choice
     choices: Callable[[list[RequestOutput]], list[dict[str, Any]]]  # folded outputs -> the body's choices
     opening: list[dict[str, Any]] | None = None  # choices streamed before any delta (chat's role)
+    body_fields: Callable[[list[RequestOutput]], dict[str, Any]] | None = None  # beside the choices
 
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
@@ -208,6 +208,10 @@ class OpenAIServing:
             raise APIError("best_of must equal n: best-of sampling is not supported.", 400, param="best_of")
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options can only be set when stream is true.", 400, param="stream_options")
+        if request.prompt_logprobs is not None and request.stream:
+            raise APIError(
+                "prompt_logprobs are not available when stream is true.", 400, param="prompt_logprobs"
+            )
 
     @staticmethod
     def invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
@@ -254,16 +258,24 @@ class OpenAIServing:
 
     # ---- sampling -----------------------------------------------------------------------------------
 
-    def sampling_params(self, request: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, request: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine's parameters for a request; ``prompt_logprobs`` stands in for the request's own when
+        it has none (completions ask for them to echo the prompt with logprobs, as vLLM does)."""
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = request.prompt_logprobs
         kwargs: dict[str, Any] = {
             "n": request.n,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "stop": request.stop,
             "stop_token_ids": request.stop_token_ids,
             "ignore_eos": request.ignore_eos,
             "min_tokens": request.min_tokens,
             "skip_special_tokens": request.skip_special_tokens,
+            "spaces_between_special_tokens": request.spaces_between_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "seed": request.seed,
             "allowed_token_ids": request.allowed_token_ids,
@@ -301,14 +313,16 @@ class OpenAIServing:
     # ---- the engine streams -------------------------------------------------------------------------
 
     async def add_requests(
-        self, prompts: list[PromptInput], params: SamplingParams, prompt_param: str
+        self, prompts: list[dict[str, Any]], params: SamplingParams, prompt_param: str, cache_salt: str | None
     ) -> list[RequestStream]:
-        """One engine request per prompt, all checked before any response starts; a refusal is a 400
-        (and closes, so aborts, the requests of this call already added)."""
+        """One engine request per prompt (a prompt dict, with the request's ``cache_salt`` added), all
+        checked before any response starts; a refusal is a 400 (and closes, so aborts, the requests of
+        this call already added)."""
         streams: list[RequestStream] = []
+        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         try:
             for prompt in prompts:
-                streams.append(await self.engine.add_request(random_id(), prompt, params))
+                streams.append(await self.engine.add_request(random_id(), {**prompt, **salt}, params))
         except InvalidRequestError as exc:
             for stream in streams:
                 await stream.aclose()
@@ -382,6 +396,8 @@ class OpenAIServing:
             sum(f.num_cached_tokens for f in finals),
         )
         body = {**envelope, "choices": form.choices(finals), "usage": usage}
+        if form.body_fields is not None:
+            body.update(form.body_fields(finals))
         return Response(dumps(body), media_type="application/json", headers=headers)
 
     async def stream_chunks(
@@ -414,7 +430,7 @@ class OpenAIServing:
                 cached_tokens[p_index] = output.num_cached_tokens
                 completion_tokens += sum(len(o.token_ids) for o in output.outputs)
                 for delta in output.outputs:
-                    yield chunk([shape(p_index, delta)])
+                    yield chunk([shape(p_index, output, delta)])
             if include_usage:
                 usage = usage_dict(num_prompt_tokens, completion_tokens, sum(cached_tokens))
                 yield sse({**base, "choices": [], "usage": usage})
@@ -496,6 +512,25 @@ class OpenAIServing:
                 top.setdefault(token, max(chosen.logprob, LOGPROB_FLOOR))
             result["top_logprobs"].append(top)
         return result, offset
+
+    @staticmethod
+    def prompt_logprobs_json(steps: list[dict[int, Any] | None] | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: its Logprob}."""
+        if steps is None:
+            return None
+        return [
+            None
+            if step is None
+            else {
+                str(token_id): {
+                    "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for token_id, lp in step.items()
+            }
+            for step in steps
+        ]
 
     @staticmethod
     def stream_error(exc: BaseException) -> str:

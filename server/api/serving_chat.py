@@ -12,7 +12,6 @@ from pagedserve.server.api.serving_base import (
     ResponseForm,
 )
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
-from pagedserve.server.engine.processor import PromptInput
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -43,8 +42,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         top_logprobs = request.top_logprobs or 0
         params = self.sampling_params(request, requested, top_logprobs if request.logprobs else None)
-        prompt: PromptInput = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        (engine_stream,) = await self.add_requests([prompt], params, "messages")
+        prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+        (engine_stream,) = await self.add_requests([prompt], params, "messages", request.cache_salt)
 
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
         opening = [
@@ -60,6 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             chunk_choice=self._chunk_choice(request),
             choices=lambda finals: self._choices(finals[0], request),
             opening=opening,
+            body_fields=self._prompt_logprobs if request.prompt_logprobs is not None else None,
         )
         return await self.respond(
             raw_request, [self.observed(engine_stream, tracker)], form, request.stream_options
@@ -82,11 +82,15 @@ class OpenAIServingChat(OpenAIServing):
             )
         return choices
 
+    def _prompt_logprobs(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """vLLM puts a chat response's prompt_logprobs beside its choices."""
+        return {"prompt_logprobs": self.prompt_logprobs_json(finals[0].prompt_logprobs)}
+
     def _chunk_choice(self, request: ChatCompletionRequest) -> ChoiceShaper:
         """A chat chunk's choice: the delta's text as `delta.content`, with its tokens' logprobs."""
         top_logprobs = request.top_logprobs or 0
 
-        def shape(p_index: int, delta: CompletionOutput) -> dict[str, Any]:
+        def shape(p_index: int, output: RequestOutput, delta: CompletionOutput) -> dict[str, Any]:
             logprobs = None
             if request.logprobs and delta.logprobs is not None:
                 logprobs = self.chat_logprobs(delta.token_ids, delta.logprobs, top_logprobs)

@@ -1,4 +1,9 @@
-"""POST /v1/completions: one engine request per prompt (a batch of prompts runs concurrently)."""
+"""POST /v1/completions: one engine request per prompt (a batch of prompts runs concurrently).
+
+``echo`` with ``logprobs`` gives the prompt tokens' logprobs (the first null) before the completion's,
+from the engine's prompt logprobs; ``echo`` with ``max_tokens`` 0 returns only the prompt, as vLLM does
+(the engine still generates one token, which usage counts): lm-evaluation-harness scores with that.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ from pagedserve.server.api.serving_base import (
     ResponseForm,
 )
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
-from pagedserve.server.engine.processor import PromptInput
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -31,7 +35,7 @@ class _Prompt:
             self._text = self.serving.tokenizer.decode(self.ids)
         return self._text
 
-    def engine_input(self) -> PromptInput:
+    def engine_input(self) -> dict[str, Any]:
         return {"prompt": self._text, "prompt_token_ids": self.ids}
 
 
@@ -42,8 +46,15 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix")
         prompts = await self._prompts(request)
-        params = self.sampling_params(request, request.max_tokens, request.logprobs)
-        engine_streams = await self.add_requests([p.engine_input() for p in prompts], params, "prompt")
+        params = self.sampling_params(
+            request,
+            1 if _echo_only(request) else request.max_tokens,
+            request.logprobs,
+            prompt_logprobs=request.logprobs if request.echo else None,
+        )
+        engine_streams = await self.add_requests(
+            [p.engine_input() for p in prompts], params, "prompt", request.cache_salt
+        )
         streams = [
             self.observed(s, self.metrics.track(len(s.prompt_token_ids), s.max_tokens, request.n))
             for s in engine_streams
@@ -75,11 +86,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(_Prompt(self, None, ids[-truncate:] if truncate else ids))
         return prompts
 
-    def _logprobs(self, out: CompletionOutput, prompt: _Prompt | None, k: int) -> dict[str, Any]:
-        """Logprobs of the output tokens, after the prompt's (null) ones when echoing."""
+    def _logprobs(
+        self, out: CompletionOutput, final: RequestOutput, prompt: _Prompt | None, request: CompletionRequest
+    ) -> dict[str, Any]:
+        """Logprobs of the output tokens, after the prompt's when echoing (only those with max_tokens 0)."""
+        k = request.logprobs or 0
         if prompt is None:
             return self.completion_logprobs(out.token_ids, out.logprobs, k, 0)[0]
-        prompt_part, offset = self.completion_logprobs(prompt.ids, None, k, 0)
+        prompt_part, offset = self.completion_logprobs(prompt.ids, final.prompt_logprobs, k, 0)
+        if _echo_only(request):
+            return prompt_part
         return _concat(prompt_part, self.completion_logprobs(out.token_ids, out.logprobs, k, offset)[0])
 
     def _choices(
@@ -90,16 +106,17 @@ class OpenAIServingCompletion(OpenAIServing):
             for out in final.outputs:
                 logprobs = None
                 if request.logprobs is not None and out.logprobs is not None:
-                    logprobs = self._logprobs(out, prompt if request.echo else None, request.logprobs)
-                choices.append(
-                    {
-                        "index": p_index * request.n + out.index,
-                        "text": (prompt.text + out.text) if request.echo else out.text,
-                        "logprobs": logprobs,
-                        "finish_reason": out.finish_reason,
-                        "stop_reason": out.stop_reason,
-                    }
-                )
+                    logprobs = self._logprobs(out, final, prompt if request.echo else None, request)
+                choice = {
+                    "index": p_index * request.n + out.index,
+                    "text": _echoed(prompt.text, out.text, request) if request.echo else out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+                if final.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_json(final.prompt_logprobs)
+                choices.append(choice)
         return choices
 
     def _chunk_choice(self, prompts: list[_Prompt], request: CompletionRequest) -> ChoiceShaper:
@@ -108,19 +125,26 @@ class OpenAIServingCompletion(OpenAIServing):
         n, k = request.n, request.logprobs
         started: set[int] = set()
         offsets = [0] * (len(prompts) * n)
+        prompt_steps: dict[int, Any] = {}  # a prompt's logprobs come once, with its first output
 
-        def shape(p_index: int, delta: CompletionOutput) -> dict[str, Any]:
+        def shape(p_index: int, output: RequestOutput, delta: CompletionOutput) -> dict[str, Any]:
+            if output.prompt_logprobs is not None:
+                prompt_steps[p_index] = output.prompt_logprobs
             i = p_index * n + delta.index
-            text = delta.text
+            text = "" if _echo_only(request) else delta.text
             echo_logprobs = None
             if request.echo and i not in started:
                 prompt = prompts[p_index]
                 text = prompt.text + text
                 if k is not None:
-                    echo_logprobs, offsets[i] = self.completion_logprobs(prompt.ids, None, k, 0)
+                    echo_logprobs, offsets[i] = self.completion_logprobs(
+                        prompt.ids, prompt_steps.get(p_index), k, 0
+                    )
             started.add(i)
             logprobs = None
-            if k is not None and delta.logprobs is not None:
+            if _echo_only(request):
+                logprobs = echo_logprobs
+            elif k is not None and delta.logprobs is not None:
                 logprobs, offsets[i] = self.completion_logprobs(
                     delta.token_ids, delta.logprobs, k, offsets[i]
                 )
@@ -135,6 +159,16 @@ class OpenAIServingCompletion(OpenAIServing):
             }
 
         return shape
+
+
+def _echo_only(request: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the answer is the prompt alone (the engine generates one token unseen)."""
+    return bool(request.echo) and request.max_tokens == 0
+
+
+def _echoed(prompt_text: str, text: str, request: CompletionRequest) -> str:
+    """A choice's text when echoing: the prompt, then the completion unless max_tokens was 0."""
+    return prompt_text if _echo_only(request) else prompt_text + text
 
 
 def _concat(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, list[Any]]:

@@ -1,7 +1,8 @@
 """Gives each request the KV blocks it needs, reusing cached prefix blocks by their chained hash.
 
-A full block's hash chains its parent's hash with its token ids, seeded by the model, so equal hashes
-mean equal prefixes. Blocks become findable as soon as they are allocated for tokens that fill them:
+A full block's hash chains its parent's hash with its token ids, seeded by the model (and by the
+request's ``cache_salt``, so requests with different salts never share a block), so equal hashes mean
+equal prefixes. Blocks become findable as soon as they are allocated for tokens that fill them:
 within one forward pass every layer stores all new K/V before any attention reads, so a request
 scheduled later in the same step may already share them (this is how n > 1 samples share a prompt).
 """
@@ -21,6 +22,13 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
 
 def seed_hash(model_seed: str) -> bytes:
     return hashlib.blake2b(model_seed.encode(), digest_size=16).digest()
+
+
+def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: the model's root, mixed with the salt when there is one."""
+    if cache_salt is None:
+        return root_hash
+    return hashlib.blake2b(root_hash + cache_salt.encode(), digest_size=16).digest()
 
 
 class KVCacheManager:
@@ -48,9 +56,10 @@ class KVCacheManager:
         """The longest run of cached blocks at the start of the request's tokens.
 
         The last token is always computed (its logits are needed), so a fully cached prompt gives up
-        its final block.
+        its final block. A request still owing prompt logprobs needs the logits of every prompt position,
+        so it takes no hits (as in vLLM), though the blocks it fills are cached for others.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return []
         hashes = self._full_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -98,7 +107,7 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
-            parent = hashes[-1] if hashes else self.root_hash
+            parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt)
             size = self.block_size
             for i in range(len(hashes), num_full):
                 parent = hash_block(parent, request.token_slice(i * size, (i + 1) * size))

@@ -189,6 +189,8 @@ class EngineCore:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     metrics=request.metrics,
+                    # Complete once the first token is sampled, and sent with it, once.
+                    prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else None,
                 )
             )
         if failed:

@@ -39,3 +39,5 @@ class EngineCoreOutput:
     stop_reason: int | None  # the stop_token_id that finished it
     num_cached_tokens: int
     metrics: RequestMetrics
+    # With the first new token of a request that asked for them: the logprobs of prompt tokens 1..
+    prompt_logprobs: list[SampledToken] | None = None

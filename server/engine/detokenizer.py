@@ -5,6 +5,11 @@ Each token decodes only a short window: the text of ``tokens[prefix_offset:]`` m
 ``tokens[prefix_offset:read_offset]`` is what the new tokens added. Decoding from the same start in
 both keeps tokenizers that treat a leading space specially honest, and a trailing U+FFFD means a UTF-8
 character is split across tokens, so the text waits for the next one.
+
+Two vLLM options shape it: stop strings count only once more than ``min_tokens`` tokens are out (as stop
+token ids are masked until then), and with ``spaces_between_special_tokens`` off an added token that
+follows another is its bare text, without the space some decoders put between them (vLLM's
+FastIncrementalDetokenizer rule; it only matters when special tokens are shown).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool
     stop_strings: list[str]
     include_stop_str_in_output: bool
+    min_tokens: int = 0
+    added_tokens: dict[int, str] | None = None  # id -> text; set: no spaces between added tokens
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     prefix_offset: int = 0
@@ -43,6 +50,8 @@ class IncrementalDetokenizer:
             return None
         new_text = self._decode_new_text()
         self.text += new_text
+        if len(self.output_token_ids) <= self.min_tokens:
+            return None
         return self._find_stop_string(len(new_text))
 
     def _slice(self, start: int, end: int) -> list[int]:
@@ -51,6 +60,9 @@ class IncrementalDetokenizer:
     def _decode_new_text(self) -> str:
         upto = len(self.prompt_token_ids) + len(self.output_token_ids)
         skip = self.skip_special_tokens
+        if not skip and self._follows_added_token(upto):
+            self.prefix_offset, self.read_offset = self.read_offset, upto
+            return self.added_tokens[self.output_token_ids[-1]]  # type: ignore[index]
         prefix_text = self.tokenizer.decode(self._slice(self.prefix_offset, self.read_offset),
                                             skip_special_tokens=skip)
         full_text = self.tokenizer.decode(self._slice(self.prefix_offset, upto), skip_special_tokens=skip)
@@ -59,6 +71,17 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = upto
         return full_text[len(prefix_text):]
+
+    def _follows_added_token(self, upto: int) -> bool:
+        """The newest token and the output token before it are both added tokens, and nothing waits."""
+        added, ids = self.added_tokens, self.output_token_ids
+        return (
+            added is not None
+            and len(ids) >= 2
+            and ids[-1] in added
+            and ids[-2] in added
+            and self.read_offset == upto - 1
+        )
 
     def _find_stop_string(self, new_text_len: int) -> str | None:
         """The first stop string that appears in the text's new tail; cuts ``text`` at it."""

@@ -49,6 +49,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob and top-k.
+    # A DELTA output carries them once, in the first output after they are known.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (text, tokens and logprobs)."""
@@ -65,6 +68,8 @@ class RequestOutput:
                 old.logprobs = (old.logprobs or []) + new.logprobs
             old.cumulative_logprob = new.cumulative_logprob
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
         self.finished = delta.finished
         self.metrics = delta.metrics

@@ -1,10 +1,11 @@
 """The front end's half of every step: core token ids in, RequestOutputs out (vLLM's OutputProcessor).
 
 Per request it owns what needs the tokenizer or the caller's view: incremental detokenization
-(server/engine/detokenizer.py), stop strings, logprob strings (``Logprob.decoded_token``), the
-cumulative logprob, gathering the n samples of one request (each is its own core request) and the
-shape of each output (``RequestOutputKind``). The async engine runs it on the event loop, the sync
-engine right after each step; either way the step thread never calls the tokenizer.
+(server/engine/detokenizer.py), stop strings, logprob strings (``Logprob.decoded_token``) of the
+output and of the prompt (``prompt_logprobs``), the cumulative logprob, gathering the n samples of
+one request (each is its own core request) and the shape of each output (``RequestOutputKind``).
+The async engine runs it on the event loop, the sync engine right after each step; either way the
+step thread never calls the tokenizer.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class RequestState:
     samples: dict[str, SampleState]  # by core request id
     num_cached_tokens: int = 0
     changed: set[int] = field(default_factory=set)  # sample indexes with news since the last output
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -70,6 +73,9 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.parent_of: dict[str, str] = {}  # core request id -> the caller's request id
         self._token_text: dict[int, str] = {}  # decode([token_id]) for logprobs, cached
+        # Added (special) tokens by id, for spaces_between_special_tokens=False.
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._added_tokens: dict[int, str] = {i: t.content for i, t in decoder.items()}
 
     def add_request(self, request: ProcessedRequest) -> None:
         if request.request_id in self.requests:
@@ -83,6 +89,8 @@ class OutputProcessor:
                 params.skip_special_tokens,
                 params.stop_strings,
                 params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+                added_tokens=None if params.spaces_between_special_tokens else self._added_tokens,
             )
             samples[child.request_id] = SampleState(
                 index, detokenizer, child.metrics, [] if params.logprobs is not None else None
@@ -117,6 +125,8 @@ class OutputProcessor:
                 continue  # a stop string ended it; the core ran it once more before the abort arrived
             if sample.index == 0:
                 state.num_cached_tokens = core_output.num_cached_tokens
+            if core_output.prompt_logprobs is not None:
+                state.prompt_logprobs = [None, *map(self._logprob_entry, core_output.prompt_logprobs)]
             if self._update(sample, core_output, state.params) and core_output.finish_reason is None:
                 to_abort.append(core_output.request_id)
             state.changed.add(sample.index)
@@ -152,14 +162,19 @@ class OutputProcessor:
 
     def _record_logprobs(self, sample: SampleState, token: SampledToken) -> None:
         assert sample.logprobs is not None and token.logprob is not None
+        sample.logprobs.append(self._logprob_entry(token))
+        sample.cumulative_logprob += token.logprob
+
+    def _logprob_entry(self, token: SampledToken) -> dict[int, Logprob]:
+        """One position's logprobs: its token's, then the top-k alternatives, each with its text."""
+        assert token.logprob is not None
         text = self._decode_one
         entry = {token.token_id: Logprob(token.logprob, token.rank, text(token.token_id))}
         alternatives = zip(token.top_ids or [], token.top_logprobs or [], strict=True)
         for rank, (token_id, logprob) in enumerate(alternatives, start=1):
             if token_id not in entry:
                 entry[token_id] = Logprob(logprob, rank, text(token_id))
-        sample.logprobs.append(entry)
-        sample.cumulative_logprob += token.logprob
+        return entry
 
     def _decode_one(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -170,6 +185,8 @@ class OutputProcessor:
     # ---- outputs ------------------------------------------------------------------------------------
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
+        if state.params.prompt_logprobs is not None and state.prompt_logprobs is None and not state.finished:
+            return None  # another sample ran ahead of the first: no output before the prompt logprobs
         kind = state.params.output_kind
         samples = sorted(state.samples.values(), key=lambda s: s.index)
         if kind is RequestOutputKind.FINAL_ONLY:
@@ -188,6 +205,11 @@ class OutputProcessor:
             if not completions and not state.finished:
                 return None
         state.changed.clear()
+        prompt_logprobs = state.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            if state.sent_prompt_logprobs:
+                prompt_logprobs = None
+            state.sent_prompt_logprobs |= prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -196,6 +218,7 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             metrics=samples[0].metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -69,6 +69,7 @@ class Processor:
         self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
     ) -> ProcessedRequest:
         text, token_ids = self._tokenize(prompt)
+        cache_salt = self._cache_salt(prompt)
         self._check_prompt(token_ids)
         max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
         self._check_token_ids("logit_bias", params.logit_bias or {})
@@ -91,6 +92,9 @@ class Processor:
                 metrics=RequestMetrics(arrival_time=arrival),
                 seed=params.seed + index if params.seed is not None else None,
                 bad_words_token_ids=bad_words_token_ids,
+                cache_salt=cache_salt,
+                # The request's prompt logprobs are computed once, by its first sample.
+                prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
             )
             for index in range(params.n)
         ]
@@ -106,6 +110,14 @@ class Processor:
                 return self._tokenize(str(prompt["prompt"]))
             raise InvalidRequestError("prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
         return None, [int(t) for t in prompt]
+
+    @staticmethod
+    def _cache_salt(prompt: PromptInput) -> str | None:
+        """vLLM's ``cache_salt`` of a prompt dict: a non-empty string, or absent."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
+        return salt
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         limit = self.max_model_len

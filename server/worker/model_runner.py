@@ -2,12 +2,13 @@
 
 Decodes (one new token each) come first, then prefill chunks, as ``AttentionMetadata`` expects. Only
 requests whose chunk reaches their last known token are sampled; a partial prompt chunk just fills
-its blocks.
+its blocks, and gives its positions' prompt logprobs to a request that asked for them
+(server/worker/prompt_logprobs.py appends those to ``Request.prompt_logprobs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from pagedserve.server.backend import Backend
@@ -15,6 +16,11 @@ from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.request import Request
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
+from pagedserve.server.worker.prompt_logprobs import (
+    PromptLogprobRows,
+    prompt_logprob_rows,
+    record_prompt_logprobs,
+)
 from pagedserve.server.worker.sampler import SampledToken, sample_each
 from torch import nn
 
@@ -26,6 +32,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled_requests: list[Request]
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -75,6 +82,8 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        for rows in inputs.prompt_logprob_rows:
+            record_prompt_logprobs(self.model, hidden, rows)
         if not inputs.sampled_requests:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
@@ -90,9 +99,12 @@ class ModelRunner:
         context_lens: list[int] = []
         sample_indices: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[PromptLogprobRows] = []
         for row, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
+            if (wanted := prompt_logprob_rows(request, len(token_ids), start, end)) is not None:
+                prompt_rows.append(wanted)
             token_ids.extend(request.token_slice(start, end))
             positions.extend(range(start, end))
             rows.extend([row] * item.num_new_tokens)
@@ -125,6 +137,7 @@ class ModelRunner:
             meta=meta,
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
+            prompt_logprob_rows=prompt_rows,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Fixtures of the engine tests: the server in front of a test module's own ``llm`` fixture."""
+"""Fixtures of the engine tests: the embedded model's offline engine (``llm``, one per module unless a
+module defines its own) and the server in front of it (``served_engine``, ``client``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from pagedserve import LLM, default_model
+
 if TYPE_CHECKING:
     from pagedserve.server.engine.async_engine import AsyncEngine
 
-    from pagedserve import LLM
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(default_model())
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> LLM:
+    """One offline engine per test module, with the default engine arguments."""
+    return LLM(model_path)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from pagedserve.kernels import reference
 from pagedserve.server.engine.llm_engine import LLMEngine, StepError
 
-from pagedserve import LLM, SamplingParams, default_model
+from pagedserve import LLM, SamplingParams
 
 NEW_TOKENS = 32
 TEXT = (
@@ -20,16 +20,6 @@ TEXT = (
     "Compilers, operating systems and networks each hid a layer of detail so that people could think "
     "about bigger problems. "
 )
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return str(default_model())
-
-
-@pytest.fixture(scope="module")
-def llm(model_path: str) -> LLM:
-    return LLM(model_path)
 
 
 @pytest.fixture(scope="module")

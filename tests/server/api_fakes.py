@@ -130,20 +130,22 @@ class ScriptedCore:
         finish = None
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             finish, metrics.finished_time = "length", now
-        logprobs = None
         k = request.params.logprobs
-        if k is not None:
-            alternatives = [ord("a") + rank + OFFSET for rank in range(2, k + 1)]
-            logprobs = [
-                SampledToken(
-                    token,
-                    -0.25,
-                    1,
-                    [token, *alternatives][:k],
-                    [-0.25, *(-1.0 * rank for rank in range(2, k + 1))][:k],
-                )
-            ]
-        return EngineCoreOutput(request.request_id, [token], logprobs, finish, None, 0, metrics)
+        logprobs = [self._scripted_logprob(token, k)] if k is not None else None
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and request.num_output_tokens == 1:
+            prompt_logprobs = [self._scripted_logprob(t, request.params.prompt_logprobs or 0)
+                               for t in request.prompt_token_ids[1:]]
+        return EngineCoreOutput(
+            request.request_id, [token], logprobs, finish, None, 0, metrics, prompt_logprobs
+        )
+
+    @staticmethod
+    def _scripted_logprob(token: int, k: int) -> SampledToken:
+        """The scripted logprobs of one position: ``token`` at -0.25 (rank 1), then "c", "d", ... ."""
+        alternatives = [ord("a") + rank + OFFSET for rank in range(2, k + 1)]
+        top_logprobs = [-0.25, *(-1.0 * rank for rank in range(2, k + 1))]
+        return SampledToken(token, -0.25, 1, [token, *alternatives][:k], top_logprobs[:k])
 
     def stats(self) -> EngineStats:
         return EngineStats(
