@@ -22,13 +22,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
+from pagedserve.server.sampling_params import MAX_LOGPROBS  # one bound for the API and the engine
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # torch.iinfo(torch.long): a seed must fit a 64-bit generator seed. Written out to keep torch out of here.
 _LONG_MIN = -(2**63)
 _LONG_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default --max-logprobs is the same
 
 
 _STRUCTURED = "structured outputs are not implemented yet"
