@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedserve import default_model
+from pagedserve.testing.openapi_fuzz import fuzz_openapi
 from pagedserve.testing.processes import ServerProcess, serve_process
 
 pytestmark = pytest.mark.slow
@@ -301,26 +302,7 @@ def test_schemathesis_fuzz_no_server_errors(server: ServerProcess) -> None:
 
     Generation is bounded (max_tokens, n) so each request costs a few engine steps at most.
     """
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis.errors import Unsatisfiable
-    from schemathesis import GenerationMode
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
-
-    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    checks = [
-        not_a_server_error,
-        status_code_conformance,
-        content_type_conformance,
-        response_schema_conformance,
-    ]
-    seen: dict[str, int] = {}
 
     def bound(case) -> None:
         body = case.body
@@ -334,29 +316,7 @@ def test_schemathesis_fuzz_no_server_errors(server: ServerProcess) -> None:
         if "prompt" in body or "messages" in body:
             body.setdefault("max_tokens", 4)
 
-    def fuzz(operation, mode) -> None:
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(
-            max_examples=12,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        def run(case) -> None:
-            bound(case)
-            response = case.call(base_url=server.url, headers=headers, timeout=60)
-            seen[operation.label] = seen.get(operation.label, 0) + 1
-            case.validate_response(response, checks=checks)
-
-        run()
-
-    for result in schema.get_all_operations():
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            try:
-                fuzz(result.ok(), mode)
-            except Unsatisfiable:  # no invalid input exists (an operation without parameters or body)
-                assert mode == GenerationMode.NEGATIVE
+    seen = fuzz_openapi(server.url, headers=headers, prepare=bound)
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"} <= set(seen)
     assert client(server).models.list().data  # still serving
 
