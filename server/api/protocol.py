@@ -54,6 +54,13 @@ UNSUPPORTED_FIELDS = {
     "request_id": "the server names each request itself (the X-Request-Id header of the response)",
     "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "extension arguments are not supported",
+    # OpenAI's own fields for features this server lacks: named, not "unrecognized".
+    "functions": "tool calling is not implemented yet",
+    "function_call": "tool calling is not implemented yet",
+    "modalities": "only text output is supported",
+    "audio": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
 }
 
 
@@ -268,6 +275,13 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     tool_choice: Text | JSONObject | None = None
     parallel_tool_calls: bool | None = None
     echo: Literal[False] = Field(False, description="vLLM's; only false: echo on chat is not implemented")
+    # OpenAI's bookkeeping fields: they change no generated token, OpenAI clients and SDKs send them, and
+    # vLLM accepts them; refusing them would break drop-in use. /openapi.json says what each does here.
+    store: bool | None = Field(None, description="accepted; nothing is stored")
+    metadata: dict[str, Text] | None = Field(None, description="accepted; only meaningful with store")
+    service_tier: Literal["auto", "default"] | None = Field(None, description="accepted; one tier")
+    prompt_cache_key: Text | None = Field(None, description="accepted; prefix caching is automatic")
+    safety_identifier: Text | None = None
 
 
 # ------------------------------------------------------------------------------------------ completions

@@ -165,6 +165,14 @@ async def test_supported_variants_still_work(engine: FakeEngine) -> None:
             {"tools": tools, "tool_choice": "none"},
             {"response_format": {"type": "text"}},
             {"echo": False, "priority": 0, "temperature": 1},  # an integer where a float belongs
+            # OpenAI's bookkeeping fields, which OpenAI clients send and which change no token
+            {
+                "store": False,
+                "metadata": {"team": "a"},
+                "service_tier": "auto",
+                "prompt_cache_key": "k",
+                "safety_identifier": "u1",
+            },
         ):
             body = {"messages": MSGS, "max_tokens": 2, **fields}
             r = await client.post("/v1/chat/completions", json=body)
