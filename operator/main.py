@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedserve.operator.resources import DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE
+from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--default-image",
         default=os.environ.get("PAGEDSERVE_DEFAULT_IMAGE", DEFAULT_IMAGE),
-        help=f"engine image when spec.image is unset (default {DEFAULT_IMAGE})",
+        help=f"engine image when spec.image is unset and the engine has GPUs (default {DEFAULT_IMAGE})",
+    )
+    parser.add_argument(
+        "--default-cpu-image",
+        default=os.environ.get("PAGEDSERVE_DEFAULT_CPU_IMAGE", DEFAULT_CPU_IMAGE),
+        help=f"engine image when spec.image is unset and resources.gpus is 0 (default {DEFAULT_CPU_IMAGE})",
     )
     parser.add_argument(
         "--default-router-image",
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     handlers.configure(
         options=Options(
             default_image=args.default_image,
+            default_cpu_image=args.default_cpu_image,
             default_router_image=args.default_router_image,
             policy=Policy(
                 allow_secret_env=args.allow_secret_env,

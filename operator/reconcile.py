@@ -17,6 +17,7 @@ from pagedserve.operator.kube import Kube, KubeError
 from pagedserve.operator.policy import Policy, refusals
 from pagedserve.operator.resources import (
     CHILD_KINDS,
+    DEFAULT_CPU_IMAGE,
     DEFAULT_IMAGE,
     DEFAULT_ROUTER_IMAGE,
     HASH_ANNOTATION,
@@ -35,6 +36,7 @@ PODMONITOR_API = ("monitoring.coreos.com/v1", "podmonitors")
 @dataclass
 class Options:
     default_image: str = DEFAULT_IMAGE
+    default_cpu_image: str = DEFAULT_CPU_IMAGE
     default_router_image: str = DEFAULT_ROUTER_IMAGE
     policy: Policy = field(default_factory=Policy)
 
@@ -160,6 +162,7 @@ async def reconcile(
             modeldeployment,
             with_podmonitor=with_podmonitor,
             default_image=options.default_image,
+            default_cpu_image=options.default_cpu_image,
             default_router_image=options.default_router_image,
         )
     except ValueError as error:  # pydantic.ValidationError is a ValueError

@@ -57,9 +57,12 @@ ENGINE_WRITABLE_ENV = {
     "TORCHINDUCTOR_CACHE_DIR": f"{TMP}/torchinductor",
 }
 
-# The images a ModelDeployment gets when it names none: the engine (Dockerfile target `server`)
-# and the slim router/operator image (target `control`). `pagedserve operator` can override both.
+# The images a ModelDeployment gets when it names none: the engine (Dockerfile target `server`, CUDA),
+# its CPU flavour for `resources.gpus: 0` (the same target on a Debian base with CPU torch and the C++
+# compiler kernels/cpu.py needs) and the slim router/operator image (target `control`). `make images`
+# tags what it builds with these names; `pagedserve operator` can override each.
 DEFAULT_IMAGE = f"pagedserve/pagedserve:{__version__}"
+DEFAULT_CPU_IMAGE = f"pagedserve/pagedserve:{__version__}-cpu"
 DEFAULT_ROUTER_IMAGE = f"pagedserve/pagedserve-control:{__version__}"
 
 # Every kind render() may produce: apiVersion, kind -> plural (for the REST paths).
@@ -149,6 +152,7 @@ def render(
     *,
     with_podmonitor: bool = True,
     default_image: str = DEFAULT_IMAGE,
+    default_cpu_image: str = DEFAULT_CPU_IMAGE,
     default_router_image: str = DEFAULT_ROUTER_IMAGE,
 ) -> list[dict[str, Any]]:
     """Every child manifest of a ModelDeployment, each with its ownerReference, labels and spec hash.
@@ -161,7 +165,7 @@ def render(
     if not name or not namespace or not uid:
         raise ValueError("a ModelDeployment needs metadata.name, metadata.namespace and metadata.uid")
     spec = parse_spec(modeldeployment.get("spec"))
-    ctx = _Context(name, namespace, uid, spec, default_image, default_router_image)
+    ctx = _Context(name, namespace, uid, spec, default_image, default_cpu_image, default_router_image)
 
     children = [
         ctx.engine_deployment(),
@@ -193,13 +197,15 @@ class _Context:
         uid: str,
         spec: ModelDeploymentSpec,
         default_image: str,
+        default_cpu_image: str,
         default_router_image: str,
     ) -> None:
         self.name = name
         self.namespace = namespace
         self.uid = uid
         self.spec = spec
-        self.image = spec.image or default_image
+        # Without GPUs the engine runs on --device cpu: the CPU flavour (CPU torch, the C++ compiler).
+        self.image = spec.image or (default_image if spec.resources.gpus else default_cpu_image)
         self.router_image = spec.router.image or default_router_image
         self.served_model_name = spec.served_model_name or name
 

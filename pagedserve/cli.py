@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
 # name -> (module, help). Nested groups (bench) map to their own table.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,10 +28,30 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
 
 def _add_group(subparsers: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) -> None:
     for name, (module_name, help_text) in table.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            # Its extra is not installed (each image carries only its own: the server image has no
+            # [router]); the other subcommands must still work, this one says what it lacks, whatever
+            # its arguments (no prefix character: every one is a positional the parser accepts).
+            parser = subparsers.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
+            parser.add_argument("ignored", nargs="*")
+            parser.set_defaults(_run=_missing(name, error))
+            continue
         parser = subparsers.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
         module.add_arguments(parser)
         parser.set_defaults(_run=module.run)
+
+
+def _missing(name: str, error: ModuleNotFoundError) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"pagedserve {name} cannot run: {error} (its pyproject.toml extra is not installed)",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:

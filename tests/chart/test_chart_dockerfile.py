@@ -1,4 +1,4 @@
-"""The Dockerfile, read statically (no Docker engine here): its two targets, their extras, the user."""
+"""The Dockerfile, read statically: targets, extras, layer order, user (e2e/test_images.py runs them)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,46 @@ def test_targets_server_and_control() -> None:
 def test_extras_are_the_projects() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     s = stages()
-    assert "[server]" in s["server"] and {"torch", "triton"} <= {
-        re.split(r"[<>=;\[ ]", d)[0] for d in extras["server"]
-    }
-    assert "[router,operator]" in s["control"]
+    assert "requirements.py pyproject.toml server > /requirements/server.txt" in s["wheel"]
+    assert "requirements.py pyproject.toml router operator > /requirements/control.txt" in s["wheel"]
+    assert "COPY --from=wheel /requirements/server.txt /build/requirements.txt" in s["server"]
+    assert "COPY --from=wheel /requirements/control.txt /build/requirements.txt" in s["control"]
+    assert {"torch", "triton"} <= {re.split(r"[<>=;\[ ]", d)[0] for d in extras["server"]}
     assert not any(d.startswith("torch") for d in extras["router"] + extras["operator"])
     assert "torch must not be in the control image" in s["control"]
+
+
+def test_requirements_are_the_extras() -> None:
+    """scripts/requirements.py, which the dependency layers install from, lists the core and the extras."""
+    import subprocess
+    import sys
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    script = [sys.executable, str(REPO / "scripts/requirements.py"), str(REPO / "pyproject.toml")]
+    listed = subprocess.run([*script, "router", "operator"], capture_output=True, text=True, check=True)
+    extras = project["optional-dependencies"]
+    assert listed.stdout.splitlines() == project["dependencies"] + extras["router"] + extras["operator"]
+    assert subprocess.run([*script, "nosuch"], capture_output=True).returncode != 0
+
+
+def test_code_changes_do_not_reinstall_dependencies() -> None:
+    """The requirements are listed from pyproject.toml before any code is copied, and installed before
+    the project's wheel (--no-deps): a code change rebuilds only that last layer."""
+    wheel = stages()["wheel"]
+    assert wheel.index("> /requirements/server.txt") < wheel.index("COPY pagedserve/")
+    for name in ("server", "control"):
+        body = stages()[name]
+        deps, code = body.index("-r /build/requirements.txt"), body.index("COPY --from=wheel /wheels/")
+        assert body.index(f"COPY --from=wheel /requirements/{name}.txt") < deps < code, name
+        assert "pip install --no-cache-dir --no-deps /wheels/pagedserve-" in body[code:], name
+        assert re.findall(r"^COPY (\S+)", body, re.MULTILINE) == ["--from=wheel", "--from=wheel"], name
+
+
+def test_server_has_the_cpu_kernels_compiler() -> None:
+    """kernels/cpu.py builds C++ with torch's JIT extension builder: g++ and ninja in the image."""
+    assert re.search(r"apt-get install[^\n]* g\+\+ ", stages()["server"])
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("ninja") for d in extras["server"])
 
 
 def test_non_root_and_read_only_root_filesystem() -> None:
@@ -72,3 +106,13 @@ def test_pods_run_as_the_images_user() -> None:
         assert re.findall(r"^USER\s+(\S+)", body, re.MULTILINE)[-1] == f"{RUN_AS_USER}:{RUN_AS_USER}"
     pod = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]["podSecurityContext"]
     assert pod["runAsUser"] == pod["runAsGroup"] == pod["fsGroup"] == RUN_AS_USER
+
+
+def test_wheel_carries_the_cpu_kernel_sources() -> None:
+    """The images install the wheel, not the source tree: kernels/cpu.py compiles every file of
+    kernels/csrc (headers included) at startup, so package-data must take them all."""
+    from fnmatch import fnmatch
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = [p.relative_to(REPO / "kernels").as_posix() for p in (REPO / "kernels/csrc").iterdir()]
+    assert sources and all(any(fnmatch(s, g) for g in globs["pagedserve.kernels"]) for s in sources), sources

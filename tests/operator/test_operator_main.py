@@ -38,6 +38,7 @@ def test_all_namespaces_by_default(captured: dict[str, Any]) -> None:
 def test_namespaces_and_options(captured: dict[str, Any]) -> None:
     args = parse(
         "--namespace", "ml", "-n", "team-*", "--resync-seconds", "5", "--default-image", "reg/engine:2",
+        "--default-cpu-image", "reg/engine:2-cpu",
         "--liveness", "http://0.0.0.0:8080/healthz", "--peering", "pagedserve",
     )  # fmt: skip
     assert main.run(args) == 0
@@ -46,6 +47,7 @@ def test_namespaces_and_options(captured: dict[str, Any]) -> None:
     assert captured["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
     assert handlers.STATE.resync_seconds == 5
     assert handlers.STATE.options.default_image == "reg/engine:2"
+    assert handlers.STATE.options.default_cpu_image == "reg/engine:2-cpu"
 
 
 def test_policy_flags(captured: dict[str, Any]) -> None:

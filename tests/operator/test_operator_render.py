@@ -436,9 +436,23 @@ def test_render_is_pure_and_the_hash_follows_the_spec() -> None:
 
 
 def test_default_images_come_from_the_operator() -> None:
-    children = render(SPECS["defaults"], default_image="reg/engine:1", default_router_image="reg/control:1")
+    images = {"default_image": "reg/engine:1", "default_cpu_image": "reg/engine:1-cpu"}
+    children = render(SPECS["defaults"], **images, default_router_image="reg/control:1")
     assert container(children, "llama-8b-engine")["image"] == "reg/engine:1"
     assert container(children, "llama-8b-router")["image"] == "reg/control:1"
+    cpu = render(md(resources={"gpus": 0}), **images)
+    assert container(cpu, "llama-8b-engine")["image"] == "reg/engine:1-cpu"
+
+
+def test_cpu_engines_get_the_cpu_flavour_by_default() -> None:
+    """`resources.gpus: 0` runs --device cpu: the image `make images` builds with CPU torch and g++."""
+    from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE
+
+    assert container(render(md(resources={"gpus": 0})), "llama-8b-engine")["image"] == DEFAULT_CPU_IMAGE
+    assert f"{DEFAULT_IMAGE}-cpu" == DEFAULT_CPU_IMAGE
+    assert container(render(SPECS["defaults"]), "llama-8b-engine")["image"] == DEFAULT_IMAGE
+    own = md(resources={"gpus": 0}, image="reg/mine:1")
+    assert container(render(own), "llama-8b-engine")["image"] == "reg/mine:1"
 
 
 @pytest.mark.parametrize(
