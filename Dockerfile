@@ -24,7 +24,7 @@
 #   control -> pagedserve[router,operator]
 
 ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim@sha256:d5d3f9c23164ea16f31852f95bd5959aad1c5e854332fe00f7b3a20fcc9f635c
-ARG CUDA_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:ebef3c171eeef0298e4eb2e4be843105edf3b8b0ac45e0b43acee358e8046867
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:ebef3c171eeef0298e4eb2e4be843105edf3b8b0ac45e0b43acee358e8046867
 
 # ---------------------------------------------------------------------------------------------------
 # wheel: each target's requirements (from pyproject.toml alone, before any code) and the project wheel,

@@ -24,6 +24,12 @@ def test_targets_server_and_control() -> None:
     assert "FROM ${CUDA_IMAGE} AS server" in DOCKERFILE
 
 
+def test_upstream_bases_are_pinned_by_digest() -> None:
+    """A tag moves under a rebuild; the defaults users build on must not."""
+    for arg in ("CUDA_IMAGE", "DEBIAN_IMAGE"):
+        assert re.search(rf"^ARG {arg}=\S+:\S+@sha256:[0-9a-f]{{64}}$", DOCKERFILE, re.MULTILINE), arg
+
+
 def test_extras_are_the_projects() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     s = stages()
