@@ -51,6 +51,7 @@ from pagedserve.router.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from pagedserve.server.api.disconnect import ClientDisconnected, run_unless_disconnected
 from pagedserve.server.api.errors import error_json_bytes as error_json
 
 logger = logging.getLogger(__name__)
@@ -150,12 +151,6 @@ async def _read_body(receive) -> bytes | None:
         parts.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(parts)
-
-
-async def _wait_for_disconnect(receive) -> None:
-    """Returns once the client has gone (uvicorn also says so once the response is complete)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _send_simple(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
@@ -393,24 +388,17 @@ class RouterApp:
             self.metrics.request_done("none", CLIENT_DISCONNECT)
             return
         exchange = Exchange()
-        forwarding = asyncio.ensure_future(self._forward(scope, send, body, exchange))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
-            await asyncio.wait((forwarding, watcher), return_when=asyncio.FIRST_COMPLETED)
+            # A replica that fails mid-body raises out of here: uvicorn closes the client connection.
+            await run_unless_disconnected(receive, self._forward(scope, send, body, exchange))
+        except ClientDisconnected:
+            exchange.outcome = CLIENT_DISCONNECT
         finally:
-            watcher.cancel()
-            if not forwarding.done():
-                forwarding.cancel()
-                await asyncio.gather(forwarding, return_exceptions=True)
-            if forwarding.cancelled():
-                exchange.outcome = CLIENT_DISCONNECT
             self.metrics.request_done(exchange.backend, exchange.outcome)
             self.metrics.duration.observe(time.perf_counter() - started)
             for url in exchange.tried:
                 if url not in self.balancer.backends:  # it left discovery while this request was in flight
                     self._forget_backend(url)
-        if not forwarding.cancelled():
-            forwarding.result()  # a replica that failed mid-body: uvicorn closes the client connection
 
     def _upstream_request(self, scope) -> tuple[str, list[tuple[bytes, bytes]]]:
         """The request target (raw path and query) and headers to send to a replica."""

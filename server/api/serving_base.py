@@ -18,11 +18,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedserve.server.api.chat_template import ChatTemplateError, ChatTemplateRenderer, request_template
+from pagedserve.server.api.disconnect import ClientDisconnected, run_unless_disconnected, wait_for_disconnect
 from pagedserve.server.api.errors import APIError, error_body
 from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
@@ -58,10 +59,6 @@ class ResponseForm:
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
 _TOKENIZE_IN_THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
 
 
 def random_id() -> str:
@@ -114,28 +111,6 @@ class EventStreamResponse(StreamingResponse):
             exc = streamer.exception()
             if exc is not None and not isinstance(exc, OSError):  # OSError: the client went away
                 raise exc
-
-
-async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientDisconnected) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-async def wait_for_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone (or the response is complete: then the server reports it too)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
@@ -365,7 +340,7 @@ class OpenAIServing:
                 raise APIError("The engine stopped before the request finished.", 503)
             return finals
 
-        return await run_unless_disconnected(request, collect())
+        return await run_unless_disconnected(request.receive, collect())
 
     async def respond(
         self,
