@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pagedserve.server.llm",
     "SamplingParams": "pagedserve.server.sampling_params",
+    "StructuredOutputsParams": "pagedserve.server.sampling_params",
     "RequestOutput": "pagedserve.server.engine.output",
     "CompletionOutput": "pagedserve.server.engine.output",
     "EngineConfig": "pagedserve.server.config",
@@ -25,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "default_model",
 ]
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from pagedserve.server.engine.output import CompletionOutput, RequestOutput
     from pagedserve.server.llm import LLM
     from pagedserve.server.loader.default_model import default_model
-    from pagedserve.server.sampling_params import SamplingParams
+    from pagedserve.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,42 @@ SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 MAX_LOGPROBS = 20  # top-k bound of logprobs and prompt_logprobs: vLLM's default --max-logprobs
 
 
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``: constrain a request's output to one grammar. Exactly one of the
+    constraint fields is set (``json_object`` counts when True); the engine compiles it (once per distinct
+    constraint) and masks every sampled token with it."""
+
+    json: str | dict | None = None  # a JSON schema, as text or as a parsed object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF / GBNF / Lark text
+    json_object: bool | None = None  # any JSON object (response_format {"type": "json_object"})
+    structural_tag: str | None = None  # vLLM's structural tag, as JSON text
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(CONSTRAINT_FIELDS)}; got {', '.join(given) or 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings",
+                                      param="structured_outputs.choice")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint field that is set."""
+        return next(name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False))
+
+
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class RequestOutputKind(enum.Enum):
     """vLLM's names for what each RequestOutput of a request holds (server/engine/output_processor.py)."""
 
@@ -44,6 +80,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated; the Processor tokenizes them for the core
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained to a grammar
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
