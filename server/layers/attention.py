@@ -56,12 +56,21 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = kernels.paged_attention_decode(
-                q[:num_decode], self.k_cache, self.v_cache,
-                meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                q[:num_decode],
+                self.k_cache,
+                self.v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
             )
         if meta.num_prefills:
             out[num_decode:] = kernels.paged_attention_prefill(
-                q[num_decode:], self.k_cache, self.v_cache, meta.prefill_block_tables,
-                meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
+                q[num_decode:],
+                self.k_cache,
+                self.v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_cu_seqlens_q,
+                meta.prefill_context_lens,
+                self.scale,
             )
         return out.view(-1, self.num_heads * self.head_dim)
