@@ -48,10 +48,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = 
     triton on CUDA and cpu elsewhere. ``ValueError`` for an unknown name or triton where it cannot run."""
     requested = (name or os.environ.get(BACKEND_ENV) or "").lower()
     if requested and requested not in BACKEND_NAMES:
-        raise ValueError(
-            f"{BACKEND_ENV} (or attention_backend) must be one of {', '.join(BACKEND_NAMES)}, "
-            f"got {requested!r}"
-        )
+        raise ValueError(f"{BACKEND_ENV} (or attention_backend) must be one of {', '.join(BACKEND_NAMES)}, "
+                         f"got {requested!r}")
     choice = requested or ("triton" if device.type == "cuda" else "cpu")
     if choice == "triton":
         return _triton(device)
@@ -62,18 +60,14 @@ def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = 
 
 def _triton(device: torch.device) -> Backend:
     if importlib.util.find_spec("triton") is None:
-        raise ValueError(
-            "the triton backend needs Triton installed; set "
-            f"{BACKEND_ENV}=torch to run the torch references instead"
-        )
+        raise ValueError("the triton backend needs Triton installed; set "
+                         f"{BACKEND_ENV}=torch to run the torch references instead")
     if device.type != "cuda":
         from pagedserve.kernels._triton_utils import interpreter_active
 
         if not interpreter_active():
-            raise ValueError(
-                f"the triton backend needs a CUDA device, got {device} (on a CPU it runs only "
-                "in a process started with TRITON_INTERPRET=1)"
-            )
+            raise ValueError(f"the triton backend needs a CUDA device, got {device} (on a CPU it runs only "
+                             "in a process started with TRITON_INTERPRET=1)")
     import pagedserve.kernels as triton_kernels
 
     return Backend("triton", triton_kernels, supports_cuda_graphs=device.type == "cuda")
@@ -83,11 +77,8 @@ def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
     from pagedserve.kernels import cpu
 
     if device.type != "cpu" or dtype != torch.float32:
-        logger.warning(
-            "the cpu backend's C++ kernels take float32 on the CPU, not %s on %s: using the torch references",
-            dtype,
-            device,
-        )
+        logger.warning("the cpu backend's C++ kernels take float32 on the CPU, not %s on %s: "
+                       "using the torch references", dtype, device)
         return _torch()
     if cpu.load_extension() is None:  # compiles now, not inside the first request; it logged why not
         return _torch()

@@ -24,14 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve import LLM, SamplingParams
 
     try:
-        params = SamplingParams(
-            n=args.n,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
+        params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype)
         if args.chat:
             conversations = [[{"role": "user", "content": p}] for p in args.prompts]

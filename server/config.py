@@ -13,11 +13,7 @@ GPU_DEFAULT_BATCHED_TOKENS = 8192
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {
-    "fp32": "float32",
-    "float": "float32",
-    "half": "float16",
-    "fp16": "float16",
-    "bf16": "bfloat16",
+    "fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
 }
 
 
@@ -65,10 +61,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if (
-            self.generation_config not in ("auto", "vllm")
-            and not (Path(self.generation_config).expanduser() / "generation_config.json").is_file()
-        ):
+        if self.generation_config not in ("auto", "vllm") and not (
+            Path(self.generation_config).expanduser() / "generation_config.json"
+        ).is_file():
             raise ValueError(
                 "generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                 f"got {self.generation_config!r}"

@@ -73,9 +73,7 @@ class LLM:
         prompts: list[PromptInput] = []
         for conversation in conversations:
             token_ids = self.engine.tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
             )
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
                 token_ids = token_ids["input_ids"]

@@ -28,11 +28,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(eq=False)
@@ -94,5 +91,5 @@ def token_slice(prompt_token_ids: list[int], output_token_ids: list[int], start:
     if end <= num_prompt:
         return prompt_token_ids[start:end]
     if start >= num_prompt:
-        return output_token_ids[start - num_prompt : end - num_prompt]
-    return prompt_token_ids[start:] + output_token_ids[: end - num_prompt]
+        return output_token_ids[start - num_prompt:end - num_prompt]
+    return prompt_token_ids[start:] + output_token_ids[:end - num_prompt]

@@ -36,10 +36,8 @@ class StructuredOutputsParams:
                 param="structured_outputs",
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise InvalidRequestError(
-                "structured_outputs.choice must be a non-empty list of strings",
-                param="structured_outputs.choice",
-            )
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings",
+                                      param="structured_outputs.choice")
 
     @property
     def kind(self) -> str:
@@ -108,33 +106,18 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, "top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"),
-            (
-                self.max_tokens is None or self.max_tokens >= 1,
-                "max_tokens",
-                f"must be at least 1, got {self.max_tokens}",
-            ),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}"),
-            (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                "min_tokens",
-                "must be less than or equal to max_tokens",
-            ),
-            (
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"must be in [0, {MAX_LOGPROBS}]",
-            ),
-            (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                "prompt_logprobs",
-                f"must be in [0, {MAX_LOGPROBS}]",
-            ),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be less than or equal to max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
             (all(s for s in self.stop_strings), "stop", "must not contain empty strings"),
-            (
-                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-                "allowed_token_ids",
-                "must not be empty",
-            ),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "must not be empty"),
             (all(w.strip() for w in self.bad_words or []), "bad_words", "must not contain blank strings"),
         ]
         for ok, name, message in checks:

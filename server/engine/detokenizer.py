@@ -63,15 +63,14 @@ class IncrementalDetokenizer:
         if not skip and self._follows_added_token(upto):
             self.prefix_offset, self.read_offset = self.read_offset, upto
             return self.added_tokens[self.output_token_ids[-1]]  # type: ignore[index]
-        prefix_text = self.tokenizer.decode(
-            self._slice(self.prefix_offset, self.read_offset), skip_special_tokens=skip
-        )
+        prefix_text = self.tokenizer.decode(self._slice(self.prefix_offset, self.read_offset),
+                                            skip_special_tokens=skip)
         full_text = self.tokenizer.decode(self._slice(self.prefix_offset, upto), skip_special_tokens=skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = upto
-        return full_text[len(prefix_text) :]
+        return full_text[len(prefix_text):]
 
     def _follows_added_token(self, upto: int) -> bool:
         """The newest token and the output token before it are both added tokens, and nothing waits."""
@@ -100,5 +99,5 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         at, stop = best
-        self.text = text[: at + len(stop)] if self.include_stop_str_in_output else text[:at]
+        self.text = text[:at + len(stop)] if self.include_stop_str_in_output else text[:at]
         return stop

@@ -29,9 +29,8 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.core.vocab_size
 
-    def process_inputs(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
-    ) -> ProcessedRequest:
+    def process_inputs(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                       arrival_time: float | None = None) -> ProcessedRequest:
         """Check one request (raises InvalidRequestError, a ValueError); queues nothing."""
         return self.processor.process(request_id, prompt, params, arrival_time)
 
@@ -40,9 +39,8 @@ class LLMEngine:
         for child in request.children:
             self.core.add_request(child)
 
-    def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
-    ) -> None:
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
         self.add(self.process_inputs(request_id, prompt, params, arrival_time))
 
     def abort_request(self, request_id: str) -> None:

@@ -32,15 +32,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(
-        self,
-        model: nn.Module,
-        backend: Backend,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_size: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, model: nn.Module, backend: Backend, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device) -> None:
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name} backend on {device} cannot run in CUDA graphs")
         self.model = model
@@ -84,11 +77,8 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, meta: AttentionMetadata) -> bool:
-        return (
-            meta.num_prefills == 0
-            and 0 < meta.num_decode_tokens <= self.buckets[-1]
-            and meta.decode_block_tables.shape[1] <= self.width
-        )
+        return (meta.num_prefills == 0 and 0 < meta.num_decode_tokens <= self.buckets[-1]
+                and meta.decode_block_tables.shape[1] <= self.width)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -147,9 +137,8 @@ def profile_activation_peak(model: nn.Module, num_tokens: int, num_seqs: int) ->
         torch.cuda.empty_cache()
 
 
-def kv_cache_budget(
-    device: torch.device, gpu_memory_utilization: float, activation_peak: int, reserve: int = 1 << 30
-) -> int:
+def kv_cache_budget(device: torch.device, gpu_memory_utilization: float, activation_peak: int,
+                    reserve: int = 1 << 30) -> int:
     """KV cache bytes: ``gpu_memory_utilization`` of the device, less what this process already holds
     (weights), what other users of the device hold, the activation peak, and ``reserve`` (CUDA graphs,
     allocator slack)."""

@@ -67,9 +67,8 @@ class ModelRunner:
             self.graphs.capture()
 
     @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 

@@ -59,15 +59,13 @@ class SamplerOutput:
             if k is None:
                 results.append(SampledToken(token_id))
                 continue
-            results.append(
-                SampledToken(
-                    token_id=token_id,
-                    logprob=chosen[row],
-                    rank=ranks[row],
-                    top_ids=top_ids[row][:k] if k and top_ids else [],
-                    top_logprobs=top_values[row][:k] if k and top_values else [],
-                )
-            )
+            results.append(SampledToken(
+                token_id=token_id,
+                logprob=chosen[row],
+                rank=ranks[row],
+                top_ids=top_ids[row][:k] if k and top_ids else [],
+                top_logprobs=top_values[row][:k] if k and top_values else [],
+            ))
         return results
 
 
@@ -94,7 +92,7 @@ def sample_each(logits: torch.Tensor, requests: list[Request]) -> list[SampledTo
         if request.generator is not None and state is not None:
             request.generator.set_state(state)
         try:
-            results.extend(sample(logits[row : row + 1], [request]))
+            results.extend(sample(logits[row:row + 1], [request]))
         except Exception as exc:  # this request's row: it fails alone
             logger.exception("sampling request %s failed", request.request_id)
             results.append(exc)
@@ -119,10 +117,8 @@ def _any_logprobs(requests: list[Request]) -> bool:
 
 
 def _cells(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(cols, dtype=torch.long, device=device),
-    )
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))
 
 
 def _mask(logits: torch.Tensor, cells: tuple[list[int], list[int]]) -> torch.Tensor:
@@ -130,9 +126,8 @@ def _mask(logits: torch.Tensor, cells: tuple[list[int], list[int]]) -> torch.Ten
     rows, cols = cells
     if not rows:
         return logits
-    return logits.index_put(
-        _cells(rows, cols, logits.device), torch.tensor(float("-inf"), device=logits.device)
-    )
+    return logits.index_put(_cells(rows, cols, logits.device),
+                            torch.tensor(float("-inf"), device=logits.device))
 
 
 def _apply_allowed_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -155,7 +150,7 @@ def _bad_word_bans(requests: list[Request]) -> tuple[list[int], list[int]]:
         output = request.output_token_ids
         for word in request.bad_words_token_ids:
             prefix = word[:-1]
-            if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
                 rows.append(row)
                 cols.append(word[-1])
     return rows, cols
@@ -186,8 +181,7 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Te
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     penalised = [
-        row
-        for row, r in enumerate(requests)
+        row for row, r in enumerate(requests)
         if r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
     ]
     if not penalised:
@@ -201,9 +195,8 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     seen = generated | (_token_counts([r.prompt_token_ids for r in chosen], values) > 0)
 
     def column(name: str) -> torch.Tensor:
-        return torch.tensor(
-            [getattr(r.params, name) for r in chosen], dtype=values.dtype, device=device
-        ).unsqueeze(1)
+        return torch.tensor([getattr(r.params, name) for r in chosen], dtype=values.dtype,
+                            device=device).unsqueeze(1)
 
     repetition = column("repetition_penalty")
     scaled = torch.where(values > 0, values / repetition, values * repetition)
@@ -285,9 +278,8 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprob_tensors(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]
-) -> LogprobTensors:
+def _logprob_tensors(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     requests: list[Request]) -> LogprobTensors:
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     max_k = max(r.params.logprobs or 0 for r in requests)
