@@ -1,4 +1,8 @@
-"""Model classes by the ``architectures`` entry of a Hugging Face config."""
+"""Model classes by the ``architectures`` entry of a Hugging Face config.
+
+``supported_architectures()`` is the one list the server shows (``/version``, ``pagedserve serve --help``)
+and the README's table follows.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,26 @@ from typing import Any
 
 import torch
 from pagedserve.server.backend import Backend
-from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.server.models.causal_lm import DecoderForCausalLM
+from pagedserve.server.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedserve.server.models.granite import GraniteForCausalLM
+from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.server.models.olmo2 import Olmo2ForCausalLM
+from pagedserve.server.models.phi3 import Phi3ForCausalLM
+from pagedserve.server.models.qwen2 import Qwen2ForCausalLM
+from pagedserve.server.models.qwen3 import Qwen3ForCausalLM
 from torch import nn
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1-3, SmolLM, and most Llama-architecture fine-tunes
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text-only Gemma 3 (Gemma3TextConfig, model_type gemma3_text)
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
 
 
@@ -20,16 +37,22 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
-    """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
-    names = list(getattr(hf_config, "architectures", None) or [])
+def check_architectures(names: list[str]) -> str:
+    """The first supported name among a config's ``architectures``; a ValueError naming them and the
+    supported list otherwise. Called before any weights are read, downloaded or converted
+    (server/loader/resolve.py, server/loader/weights.py)."""
     for name in names:
         if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
+            return name
     raise ValueError(
         f"unsupported model architecture {names or '(none given in config.json)'}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def get_model_class(hf_config: Any) -> type[DecoderForCausalLM]:
+    """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
+    return MODEL_REGISTRY[check_architectures(list(getattr(hf_config, "architectures", None) or []))]
 
 
 def build_model(
