@@ -11,7 +11,7 @@ import pytest
 import torch
 from pagedserve.server.backend import select_backend
 from pagedserve.server.loader import default_model as dm
-from pagedserve.server.loader import load_model, resolve_dtype, resolve_model
+from pagedserve.server.loader import load_model, resolve, resolve_dtype, resolve_model
 from pagedserve.server.loader.weights import iterate_weights
 from pagedserve.server.models.registry import build_model
 from safetensors import safe_open
@@ -121,6 +121,8 @@ def test_resolve_model(default_model_path, tmp_path, monkeypatch):
     # A .gguf file is converted once into the cache, like the default model.
     calls: list[Path] = []
     monkeypatch.setattr(dm, "convert_gguf", _fake_convert(calls, delay=0))
+    # Its metadata's architecture is read before converting (tests/models/test_registry.py); faked as well.
+    monkeypatch.setattr(resolve, "gguf_architectures", lambda path: ["LlamaForCausalLM"])
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")

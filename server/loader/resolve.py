@@ -85,7 +85,10 @@ def gguf_architectures(path: Path) -> list[str]:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = load_gguf_checkpoint(str(path), return_tensors=False)["config"].get("model_type")
+    try:
+        model_type = load_gguf_checkpoint(str(path), return_tensors=False)["config"].get("model_type")
+    except Exception as error:  # a truncated file, another format: gguf's reader fails in many ways
+        raise ValueError(f"{str(path)!r} is not a GGUF file Transformers can read: {error!r}") from error
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     return [name] if name else [f"GGUF model type {model_type!r}"]
 

@@ -94,3 +94,10 @@ def test_readme_table_lists_every_architecture():
     rows = [line for line in README.read_text().splitlines() if line.startswith("| `")]
     listed = {re.match(r"\| `(\w+)`", row).group(1) for row in rows}
     assert listed >= set(supported_architectures())
+
+
+def test_unreadable_gguf_is_named(tmp_path):
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"truncated\.gguf.* is not a GGUF file Transformers can read"):
+        resolve_model(str(path))
