@@ -80,6 +80,22 @@ def _per_position_threshold(hf_config: Any, params: dict[str, Any]) -> int | Non
     return None
 
 
+def _dynamic_inv_freqs(
+    params: dict[str, Any], inv_freq: torch.Tensor, threshold: int, end: int
+) -> torch.Tensor:
+    """``[end - threshold, rotary_dim // 2]``: Transformers' ``_compute_dynamic_ntk_parameters`` for every
+    ``seq_len = p + 1``, ``p`` in ``threshold .. end - 1``, at once (one call each takes seconds for a
+    real model's table). Its base is a Python float (a double) raised to float32 exponents."""
+    dim = 2 * inv_freq.shape[0]
+    factor = float(params["factor"])
+    seq_lens = torch.arange(threshold + 1, end + 1, dtype=torch.float64)
+    bases = float(params["rope_theta"]) * ((factor * seq_lens / threshold) - (factor - 1)) ** (
+        dim / (dim - 2)
+    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (bases.float()[:, None] ** exponents[None, :])
+
+
 def rope_max_position(hf_config: Any, layer_type: str | None = None) -> int:
     """How many positions the rotary table covers: ``max_position_embeddings``, times ``factor`` for
     dynamic NTK (whose point is to run past it)."""
@@ -104,8 +120,9 @@ def build_cos_sin_cache(
             long_freq, _ = compute_inv_freq(hf_config, head_dim, layer_type, seq_len=threshold + 1)
             freqs[threshold:] = torch.outer(positions[threshold:], long_freq)
         else:  # dynamic: a base of its own for every sequence length past the threshold
-            for p in range(threshold, max_position):
-                freqs[p] = p * compute_inv_freq(hf_config, head_dim, layer_type, seq_len=p + 1)[0]
+            freqs[threshold:] = positions[threshold:, None] * _dynamic_inv_freqs(
+                params, inv_freq, threshold, max_position
+            )
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
