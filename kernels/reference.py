@@ -4,7 +4,9 @@ They are the engine's ``torch`` backend and what its ``cpu`` backend (kernels/cp
 or dtypes its C++ does not cover (so they must be vectorised, not merely correct), and the oracle the
 Triton and C++ kernels are tested against. The kernel contract, shared by all three: ``k_cache`` and
 ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; the other shapes are in each
-function's docstring.
+function's docstring. Both attention kernels take the variants as keywords, ``None`` meaning none:
+``sliding_window`` (HF's: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``; table
+entries before those are never read) and ``logit_softcap`` (``tanh(score / cap) * cap``, Gemma 2).
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered, to skip them
+        self.req_num_skipped: dict[str, int] = {}  # leading blocks already behind the window (null)
         self.prefix_queries = 0  # prompt tokens looked up, in tokens as vLLM counts them
         self.prefix_hits = 0
 
@@ -133,7 +134,7 @@ class KVCacheManager:
         cached = cached or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        self._free_skipped_blocks(blocks, num_computed)
+        self._free_skipped_blocks(request.request_id, blocks, num_computed)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(cached)
         taken = [b for b in cached if b is not self.null_block]
         # Hits that sit in the free queue stop being free once touched.
@@ -154,18 +155,20 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
-        self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
+        first_real = self.req_num_skipped.pop(request.request_id, 0)
+        self.pool.free([b for b in reversed(blocks[first_real:]) if b is not self.null_block])
 
-    def _free_skipped_blocks(self, blocks: list[Block], num_computed: int) -> None:
+    def _free_skipped_blocks(self, request_id: str, blocks: list[Block], num_computed: int) -> None:
         """Return the blocks behind the window of the token at ``num_computed``; the null block takes
         their places, so positions still index the table."""
+        done = self.req_num_skipped.get(request_id, 0)
         skipped = min(self._num_skipped_blocks(num_computed), len(blocks))
-        freed = [b for b in blocks[:skipped] if b is not self.null_block]
-        if not freed:
+        if skipped <= done:
             return
-        blocks[:skipped] = [self.null_block] * skipped
         # Oldest first, so evicted first: a windowed prefix hit needs the blocks nearest its end.
-        self.pool.free(freed)
+        self.pool.free([b for b in blocks[done:skipped] if b is not self.null_block])
+        blocks[done:skipped] = [self.null_block] * (skipped - done)
+        self.req_num_skipped[request_id] = skipped
 
     def _full_block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of every full block of the request's known tokens, extended incrementally."""

@@ -60,6 +60,22 @@ def test_the_table_keeps_positions_and_never_points_behind_the_window_at_real_bl
     assert kv.null_block.block_id not in table[4:]
 
 
+def test_freeing_a_request_behind_its_window_returns_each_block_once():
+    """Preemption or finish after blocks went behind the window: the rest go back, none twice, and the
+    null block stays held."""
+    kv = KVCacheManager(32, BLOCK, enable_caching=True, hash_seed="m", sliding_window=WINDOW)
+    request = make_request("a", list(range(21)))
+    assert kv.allocate(request, 21)
+    for position in range(21, 30):
+        request.num_computed_tokens = position
+        request.output_token_ids.append(7)
+        assert kv.allocate(request, 1)
+    kv.free(request)
+    assert kv.pool.num_free_blocks == 31
+    others = [b for b in kv.pool.blocks if b is not kv.null_block]
+    assert kv.null_block.ref_cnt == 1 and all(b.ref_cnt == 0 for b in others)
+
+
 def test_no_window_keeps_every_block():
     kv = KVCacheManager(32, BLOCK, enable_caching=False, hash_seed="m")
     request = make_request("a", list(range(21)))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gpu_helpers import GPU
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import make_paged_case
+from pagedserve.kernels.testing import hide_blocks_outside_window, make_paged_case
 
 pytestmark = GPU
 
@@ -67,6 +67,31 @@ def test_paged_attention_prefill(block_size, num_heads, num_kv_heads, head_dim, 
             case.context_lens, head_dim**-0.5)
     expected = reference.paged_attention_prefill(*fp32(*args))
     assert_close(triton_kernels.paged_attention_prefill(*args), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("sliding_window", "logit_softcap"),
+                         [(1000, None), (None, 50.0), (4096, 30.0)], ids=["window", "softcap", "both"])
+def test_attention_variants(sliding_window, logit_softcap, dtype):
+    """Mistral's sliding window and Gemma 2's soft-cap at Llama-3-8B's heads, long contexts; blocks no
+    query sees hold NaN (freed blocks point at the null block), so reading one would show."""
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    context_lens = [1, 4 * block_size, 1500, 700, 8000, 300, 97]
+    q_lens = [1, 4 * block_size, 1500, 200, 512, 1, 5]
+    case = make_paged_case(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, CUDA,
+                           q_lens=q_lens)
+    variant = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    for queries, lens in ((case.q_decode, None), (case.q_prefill, q_lens)):
+        hidden = case if sliding_window is None else hide_blocks_outside_window(case, sliding_window, lens)
+        if lens is None:
+            args = (queries, hidden.k_cache, hidden.v_cache, hidden.block_tables, hidden.context_lens,
+                    head_dim**-0.5)
+            kernel, ref = triton_kernels.paged_attention_decode, reference.paged_attention_decode
+        else:
+            args = (queries, hidden.k_cache, hidden.v_cache, hidden.block_tables, hidden.cu_seqlens_q,
+                    hidden.context_lens, head_dim**-0.5)
+            kernel, ref = triton_kernels.paged_attention_prefill, reference.paged_attention_prefill
+        assert_close(kernel(*args, **variant), ref(*fp32(*args), **variant), dtype)
 
 
 def test_attention_on_strided_q_views():

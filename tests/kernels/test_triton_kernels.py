@@ -247,9 +247,13 @@ def test_every_kernel_has_a_reference_with_the_same_signature():
         assert list(inspect.signature(kernel).parameters) == list(inspect.signature(ref).parameters), name
 
 
-def test_engine_greedy_with_triton_kernels_equals_the_torch_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sliding_window", [None, 8], ids=["llama", "mistral-window8"])
+def test_engine_greedy_with_triton_kernels_equals_the_torch_reference(tmp_path, monkeypatch, sliding_window):
     """The whole engine on a tiny random Llama, every kernel interpreted: chunked prefill, a shared
-    prefix, decode. Greedy output in fp32 equals the reference backend's."""
+    prefix, decode. Greedy output in fp32 equals the reference backend's. With a window shorter than
+    the prompts (the same weights as a Mistral), the KV cache frees blocks behind it too."""
+    import json
+
     from pagedserve.benchmarks.gpu import random_model
 
     from pagedserve import LLM, SamplingParams
@@ -258,6 +262,11 @@ def test_engine_greedy_with_triton_kernels_equals_the_torch_reference(tmp_path, 
                 num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
                 initializer_range=0.1)  # large enough that the continuation depends on the context
     path = random_model.save_random_model(tmp_path / "tiny", "smollm2-135m", device="cpu", **tiny)
+    if sliding_window is not None:
+        config = json.loads((path / "config.json").read_text())
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                      sliding_window=sliding_window)
+        (path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(10, 512, (40,), generator=gen).tolist()
     prompts = [[7], [*shared, 11, 12], shared + torch.randint(10, 512, (30,), generator=gen).tolist()]
@@ -269,5 +278,6 @@ def test_engine_greedy_with_triton_kernels_equals_the_torch_reference(tmp_path, 
                   kv_cache_memory_bytes=1 << 24)
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params)]
+        assert llm.engine.core.kv.sliding_window == sliding_window
     assert outputs["triton"] == outputs["torch"], outputs
     assert len({t for seq in outputs["torch"] for t in seq}) > 3  # not one token repeated
