@@ -1,0 +1,62 @@
+"""The Triton fused_moe kernel against the reference: in Triton's CPU interpreter (test_fused_moe.py runs
+this file in a child process with TRITON_INTERPRET=1) or on a CUDA device; skipped otherwise."""
+
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedserve.kernels._triton_utils import interpreter_active
+
+if not (interpreter_active() or torch.cuda.is_available()):
+    pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) or CUDA", allow_module_level=True)
+
+import pagedserve.kernels as kernels
+from pagedserve.kernels import reference
+from pagedserve.kernels.testing import make_moe_case
+
+# The module, not the function of the same name that pagedserve.kernels exports.
+fused_moe_module = importlib.import_module("pagedserve.kernels.fused_moe")
+DEVICE = "cpu" if interpreter_active() else "cuda"
+
+
+def check(num_tokens, top_k, block_m, num_experts=5, num_idle=2, hidden=32, intermediate=48, seed=0):
+    case = make_moe_case(
+        num_tokens, hidden, intermediate, num_experts, top_k, device=DEVICE, num_idle=num_idle, seed=seed
+    )
+    assert not bool(torch.isin(case.topk_ids, torch.tensor(case.idle_experts, device=DEVICE)).any())
+    args = (case.hidden, case.w13, case.w2, case.topk_weights, case.topk_ids)
+    actual = fused_moe_module.fused_moe(*args, block_m=block_m)
+    expected = reference.fused_moe(*args)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+# T=1 (decode), T*k not a multiple of the row tile, k=1 and 2; two experts always idle.
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("num_tokens", [1, 5, 21])
+def test_matches_reference(num_tokens, top_k):
+    check(num_tokens, top_k, block_m=16, seed=num_tokens)
+
+
+def test_several_tiles_per_expert_and_odd_sizes():
+    """Experts with more rows than one tile, K and N not multiples of the column blocks."""
+    check(40, 2, block_m=16, num_experts=3, num_idle=1, hidden=40, intermediate=24, seed=7)
+
+
+def test_public_entry_point_picks_a_tile():
+    case = make_moe_case(3, 32, 48, 4, 2, device=DEVICE)
+    args = (case.hidden, case.w13, case.w2, case.topk_weights, case.topk_ids)
+    assert (kernels.fused_moe(*args) - reference.fused_moe(*args)).abs().max().item() <= 1e-4
+
+
+def test_alignment_pads_each_expert_to_whole_tiles():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEVICE)
+    alignment = fused_moe_module.align_by_expert(ids, num_experts=5, block_m=4)
+    padded_len = int(alignment.padded_len)
+    assert padded_len == 12  # experts 0, 2 and 3: one tile each; 1 and 4 none
+    rows = alignment.sorted_rows[:padded_len].view(3, 4).tolist()
+    assert rows == [[1, 4, 6, 6], [0, 2, 5, 6], [3, 6, 6, 6]]  # flat token * k + slot; 6 pads
+    assert alignment.tile_experts[:3].tolist() == [0, 2, 3]
