@@ -43,7 +43,8 @@ class Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` ``[sum(output_sizes), in_features]``.
 
     ``output_sizes`` lists the checkpoint projections merged into this one, in order; ``load(name,
-    tensor, shard)`` copies checkpoint projection ``shard`` into its rows.
+    tensor, shard)`` copies checkpoint projection ``shard`` into its rows; ``shard=None`` loads the whole
+    merged matrix at once (checkpoints that ship it fused, as Phi-3's ``qkv_proj`` and ``gate_up_proj``).
     """
 
     def __init__(
@@ -70,8 +71,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         """Copy checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place."""
+        if shard is None:
+            copy_weight(self, name, tensor)
+            return
         copy_weight(self, name, tensor, sum(self.output_sizes[:shard]), self.output_sizes[shard])
 
 
@@ -87,5 +91,5 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         copy_weight(self, name, tensor)

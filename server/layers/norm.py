@@ -1,4 +1,8 @@
-"""RMSNorm through the kernel backend (``rms_norm`` / ``fused_add_rms_norm``)."""
+"""RMSNorm through the kernel backend (``rms_norm`` / ``fused_add_rms_norm``).
+
+Gemma's norms compute ``x * (1 + w)``: ``weight_offset=1.0`` adds the 1 into the weight once, at load
+time, so the same kernels serve every family.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,16 @@ class RMSNorm(nn.Module):
     """``forward(x)`` -> normed x; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``."""
 
     def __init__(
-        self, hidden_size: int, eps: float, kernels: ModuleType, dtype: torch.dtype, device: torch.device
+        self,
+        hidden_size: int,
+        eps: float,
+        kernels: ModuleType,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_offset: float = 0.0,
     ) -> None:
         super().__init__()
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.kernels = kernels
@@ -27,5 +38,7 @@ class RMSNorm(nn.Module):
             return self.kernels.rms_norm(x, self.weight, self.eps)
         return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if self.weight_offset:
+            tensor = tensor.float() + self.weight_offset  # in fp32, as Gemma adds it, then the model dtype
         copy_weight(self, name, tensor)

@@ -1,4 +1,8 @@
-"""Model classes by the ``architectures`` entry of a Hugging Face config."""
+"""Model classes by the ``architectures`` entry of a Hugging Face config.
+
+``supported_architectures()`` is the one list the server shows (``/version``, ``pagedserve serve --help``)
+and the README's table follows.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ from typing import Any
 
 import torch
 from pagedserve.server.backend import Backend
-from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.server.models.causal_lm import DecoderForCausalLM
+from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.server.models.qwen2 import Qwen2ForCausalLM
 from torch import nn
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1-3, SmolLM, and most Llama-architecture fine-tunes
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -20,7 +26,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+def get_model_class(hf_config: Any) -> type[DecoderForCausalLM]:
     """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
     names = list(getattr(hf_config, "architectures", None) or [])
     for name in names:

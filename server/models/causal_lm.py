@@ -1,0 +1,206 @@
+"""``DecoderForCausalLM``: the causal LM every family is, over one flattened, paged token batch.
+
+The model runner calls, per engine step::
+
+    hidden = model(input_ids, positions, meta)      # [T, hidden_size], one row per scheduled token
+    logits = model.compute_logits(hidden[rows])     # float32 [N, vocab_size], only rows to sample
+
+where ``input_ids``/``positions`` are ``LongTensor[T]`` (decodes first, then prefill chunks, as
+``AttentionMetadata`` describes) and every ``Attention`` in ``model.attention_layers()`` has had its
+``k_cache`` and ``v_cache`` bound by the runner. ``forward`` never synchronises with the device (no
+``.item()``/``.tolist()``), so it can be captured in a CUDA graph as far as the attention kernels allow.
+
+A family (server/models/<family>.py, registered in server/models/registry.py) is a subclass that says
+how its config maps onto a ``DecoderSpec`` (``spec_from_config``) and, where it must, how its checkpoint
+names map onto ours. Extension points, kept stable for the families built on them:
+
+- ``spec_from_config(hf_config) -> DecoderSpec``: the family's numbers and choices.
+- ``rotary_params(hf_config, spec) -> {layer type: RoPE parameters}``: one rotary table per attention type.
+- ``make_mlp(layer_index) -> nn.Module``: the layer's MLP; a mixture-of-experts family returns its MoE.
+- ``stacked_params``: checkpoint projections merged into one matmul (q/k/v into ``qkv_proj``, gate/up into
+  ``gate_up_proj``); ``()`` where the checkpoint already ships them merged (Phi-3).
+- ``checkpoint_renames``: checkpoint name fragments and ours (e.g. a ``block_sparse_moe`` to ``mlp``).
+- ``route_weight(name)`` / ``expected_weights()``: where a checkpoint tensor goes, and what must arrive,
+  for modules whose ``load(param_name, tensor, shard)`` takes shards other than a Linear's.
+
+Weights: a module with parameters has ``load(param_name, tensor, shard)``; ``shard`` is the index of a
+stacked checkpoint projection, or ``None`` for the whole parameter. The elementwise work (RMSNorm,
+residual add, rotary, SiLU-and-mul) and attention go through ``backend.kernels``, the engine's choice
+(server/backend.py), bound into every layer here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from pagedserve.server.backend import Backend
+from pagedserve.server.layers.attention import Attention, AttentionMetadata
+from pagedserve.server.layers.linear import Linear, linear
+from pagedserve.server.layers.rotary import rope_parameters
+from pagedserve.server.models.decoder import DecoderModel, GatedMLP
+from pagedserve.server.models.spec import DecoderSpec, llama_spec_fields
+from torch import nn
+
+# (merged module, checkpoint module, shard index): checkpoint projections stacked into one matmul.
+STACKED_QKV_GATE_UP: tuple[tuple[str, str, int], ...] = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+WeightKey = tuple[str, str, int | None]  # (module path, parameter name, shard)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only causal LM for the paged engine.
+
+    Args:
+        hf_config: the checkpoint's Hugging Face config (a ``transformers.PretrainedConfig``).
+        dtype: parameter and activation dtype. The rotary cache stays fp32; logits are returned fp32.
+        device: where parameters live. Parameters are allocated uninitialised: fill them with
+            ``load_weights`` (or ``pagedserve.server.loader.load_model``, which does).
+        backend: the engine's kernel backend (``pagedserve.server.backend.select_backend``); its
+            kernels run every attention and elementwise op of the model.
+
+    Attributes useful to the model runner: ``num_layers``, ``num_heads``, ``num_kv_heads``,
+    ``head_dim``, ``vocab_size``, ``max_position`` (the rotary cache's length: positions must be
+    below it), ``sliding_window`` (``None``, or the window of the model's sliding-window layers) and
+    ``spec`` (everything else, per layer).
+    """
+
+    stacked_params: ClassVar[tuple[tuple[str, str, int], ...]] = STACKED_QKV_GATE_UP
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: Backend,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        spec = self.spec_from_config(hf_config)
+        self.config, self.spec = hf_config, spec
+        self.backend = backend
+        self.dtype, self.device = dtype, device
+        self.num_layers, self.num_heads = spec.num_layers, spec.num_heads
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
+        self.vocab_size, self.max_position = spec.vocab_size, spec.max_position
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        windows = [w for w in spec.sliding_windows if w is not None]
+        self.sliding_window: int | None = max(windows) if windows else None
+        self.model = DecoderModel(
+            spec, self.rotary_params(hf_config, spec), self.make_mlp, backend.kernels, dtype, device
+        )
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+        )
+
+    # ---- what a family overrides -----------------------------------------------------------------
+
+    @classmethod
+    def spec_from_config(cls, hf_config: Any) -> DecoderSpec:
+        return DecoderSpec(**llama_spec_fields(hf_config))
+
+    @classmethod
+    def rotary_params(cls, hf_config: Any, spec: DecoderSpec) -> dict[str, dict[str, Any]]:
+        return {layer_type: rope_parameters(hf_config) for layer_type in sorted(set(spec.layer_types))}
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        return GatedMLP(self.spec, self.backend.kernels, self.dtype, self.device)
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the flattened batch: ``input_ids``, ``positions`` ``LongTensor[T]`` -> hidden ``[T, hidden]``.
+
+        Every layer stores the batch's K/V at ``meta.slot_mapping`` before attending, so after the
+        call the cache holds these tokens too.
+        """
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = linear(hidden, weight).float()
+        if self.spec.logits_scale != 1.0:
+            logits = logits * self.spec.logits_scale
+        cap = self.spec.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[Attention]:
+        """The ``Attention`` module of every layer, in order, for the runner to bind KV caches to."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors into the (merged) parameters.
+
+        Accepts names with or without the ``model.`` prefix; skips ``rotary_emb.`` buffers and, with
+        tied embeddings, ``lm_head.weight``. Raises ``ValueError`` on an unknown name, a shape
+        mismatch, or parameters the checkpoint did not provide.
+        """
+        loaded: set[WeightKey] = set()
+        for name, tensor in weights:
+            key = self.route_weight(name)
+            if key is None:
+                continue
+            module_path, param_name, shard = key
+            try:
+                self.get_submodule(module_path).load(param_name, tensor, shard)
+            except AttributeError:  # no such module, or a module without weights
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model") from None
+            except ValueError as error:
+                raise ValueError(f"checkpoint tensor {name!r}: {error}") from None
+            loaded.add(key)
+        missing = [name for name, key in self.expected_weights().items() if key not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights: {shown}")
+
+    def route_weight(self, name: str) -> WeightKey | None:
+        """Checkpoint tensor name -> (module path, parameter, shard), or None for a tensor to skip."""
+        if "rotary_emb." in name:
+            return None
+        if name.startswith("lm_head."):
+            if self.lm_head is None:
+                return None  # tied: the embedding is the head
+        elif not name.startswith("model."):
+            name = "model." + name
+        for theirs, ours in self.checkpoint_renames:
+            name = name.replace(theirs, ours)
+        module_path, _, param_name = name.rpartition(".")
+        for merged, original, index in self.stacked_params:
+            if module_path.endswith("." + original):
+                return module_path[: -len(original)] + merged, param_name, index
+        return module_path, param_name, None
+
+    def expected_weights(self) -> dict[str, WeightKey]:
+        """Checkpoint name -> (module path, parameter, shard) for every parameter to load."""
+        expected: dict[str, WeightKey] = {}
+        for full_name, _ in self.named_parameters():
+            module_path, _, param_name = full_name.rpartition(".")
+            stacked = [
+                (original, index)
+                for merged, original, index in self.stacked_params
+                if module_path.endswith("." + merged)
+            ]
+            if not stacked:
+                expected[full_name] = (module_path, param_name, None)
+            for original, index in stacked:
+                checkpoint_path = module_path[: -len(module_path.rpartition(".")[2])] + original
+                expected[f"{checkpoint_path}.{param_name}"] = (module_path, param_name, index)
+        return expected
