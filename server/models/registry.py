@@ -12,13 +12,18 @@ import torch
 from pagedserve.server.backend import Backend
 from pagedserve.server.models.causal_lm import DecoderForCausalLM
 from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.server.models.mixtral import MixtralForCausalLM
 from pagedserve.server.models.qwen2 import Qwen2ForCausalLM
+from pagedserve.server.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from torch import nn
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1-3, SmolLM, and most Llama-architecture fine-tunes
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
