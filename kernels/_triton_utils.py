@@ -1,10 +1,11 @@
-"""Launch-size helpers shared by the Triton kernels."""
+"""Launch-size helpers and device functions shared by the Triton kernels."""
 
 import functools
 import sys
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreter_active() -> bool:
@@ -45,3 +46,11 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 
 def elementwise_warps(block: int) -> int:
     return max(1, min(16, block // 256))
+
+
+@triton.jit
+def softcap_scores(s, softcap):
+    """``tanh(x / cap) * cap`` in the kernels' exp2 domain: ``s = x * log2(e)``, ``softcap = cap *
+    log2(e)``. tanh from exp2, which the interpreter runs too: ``tanh(y) = 1 - 2 / (exp(2y) + 1)``."""
+    exp_2y = tl.exp2((2.0 * 1.4426950408889634) * (s / softcap))  # s / softcap = x / cap
+    return (1.0 - 2.0 / (exp_2y + 1.0)) * softcap

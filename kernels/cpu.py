@@ -16,6 +16,7 @@ works (the engine then picks the ``torch`` backend outright: server/backend.py).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,13 @@ SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
 def load_extension() -> Any | None:
     """Build (once per machine and source version) and load the C++ ops; ``None`` if that fails."""
     capability = torch.backends.cpu.get_cpu_capability()
-    # Compiled for the CPU at hand; the name keys torch's build cache, so each flavour builds apart.
+    # Compiled for the CPU at hand; the name keys torch's build cache, so each flavour and each version
+    # of the sources builds apart (two checkouts sharing the cache do not rebuild over each other).
     simd_flags = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
-    name = "pagedserve_cpu_kernels_" + ("avx2" if simd_flags else "generic")
+    sources = hashlib.blake2b(digest_size=6)
+    for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        sources.update(path.read_bytes())
+    name = f"pagedserve_cpu_kernels_{'avx2' if simd_flags else 'generic'}_{sources.hexdigest()}"
     try:
         from torch.utils.cpp_extension import load
 
@@ -81,13 +86,20 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention_decode``."""
     ops = _native(q, k_cache, v_cache)
     if ops is None:
-        return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return reference.paged_attention_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, logit_softcap
+        )
     tables, lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
-    return ops.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale)
+    # The C++ op's 0 means "none" for both.
+    return ops.paged_attention_decode(
+        q, k_cache, v_cache, tables, lens, scale, sliding_window or 0, logit_softcap or 0.0
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

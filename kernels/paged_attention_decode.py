@@ -5,13 +5,16 @@ padded to 16 rows for ``tl.dot``), and one partition of the context. With few se
 cut into several partitions so that long contexts still occupy every SM; a second kernel then merges
 the partitions' softmax statistics. Launch sizes depend only on tensor shapes (never on the values of
 ``context_lens``), so the call needs no host synchronisation and can be captured in a CUDA graph.
+
+With a sliding window the partitions cover the window, not the context: they start at the sequence's
+first visible key, so a long context costs as much as its window and the blocks before it are never read.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import next_pow2, num_sms
+from ._triton_utils import next_pow2, num_sms, softcap_scores
 
 LOG2E = 1.4426950408889634
 # Tunables (module-level so that benchmarks can sweep them).
@@ -20,24 +23,32 @@ MIN_PARTITION = 256  # fewest context tokens worth giving a program of their own
 PROGRAMS_PER_SM = 4  # split the context until about this many programs per SM exist
 NUM_WARPS = 4
 NUM_STAGES = 2
+NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any context
+
+
+@triton.jit
+def _first_key(context_len, window):
+    """The first key the query at ``context_len - 1`` sees: HF's ``kv_idx > q_idx - window``."""
+    return tl.maximum(context_len - window, 0)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_stats_ptr,
-    qk_scale,
+    qk_scale, softcap,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    num_heads, partition_size,
+    num_heads, partition_size, window,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    start = split * partition_size
+    start = _first_key(context_len, window) + split * partition_size
     end = tl.minimum(start + partition_size, context_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -61,6 +72,8 @@ def _decode_kernel(
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            s = softcap_scores(s, softcap)
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -88,14 +101,14 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_stats_ptr, context_lens_ptr, out_ptr,
-    stride_os, stride_oh, num_heads, partition_size,
+    stride_os, stride_oh, num_heads, partition_size, window,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    used = tl.cdiv(context_len, partition_size)
+    used = tl.cdiv(context_len - _first_key(context_len, window), partition_size)
     sp = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, BLOCK_D)
     smask = sp < used
@@ -122,7 +135,8 @@ def _partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch
     return triton.cdiv(max_context, partition), partition
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition):
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition,
+            sliding_window=None, logit_softcap=None):
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -139,22 +153,23 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
     else:
         part_out = part_stats = out
     block_d = next_pow2(head_dim)
+    window = NO_WINDOW if sliding_window is None else sliding_window
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_stats,
-        scale * LOG2E,
+        scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads, partition,
+        num_heads, partition, window,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=logit_softcap is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_stats, context_lens, out,
-            out.stride(0), out.stride(1), num_heads, partition,
+            out.stride(0), out.stride(1), num_heads, partition, window,
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_SPLITS=next_pow2(num_splits),
             BLOCK_D=block_d,
         )
@@ -168,12 +183,19 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query per sequence against its whole cached context. q ``[num_seqs, num_heads, head_dim]``.
+    """One query per sequence against its cached context. q ``[num_seqs, num_heads, head_dim]``.
+    ``sliding_window`` and ``logit_softcap`` as in ``reference.paged_attention_decode``.
 
     The context is bounded by the block table's width (``block_tables.shape[1] * block_size``); give the
     kernel a table no wider than the step needs so that the split-K partitions fit the real contexts.
     """
     max_context = block_tables.shape[1] * k_cache.shape[1]
+    if sliding_window is not None:  # the keys any query sees: the partitions split only those
+        max_context = min(max_context, sliding_window)
     num_splits, partition = _partition(q.shape[0], k_cache.shape[2], max_context, q.device)
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition,
+                   sliding_window, logit_softcap)
+

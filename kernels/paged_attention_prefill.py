@@ -8,30 +8,35 @@ Programs are laid out without knowing the chunk lengths on the host: sequence ``
 tiles numbered from ``cu_seqlens_q[s] // BLOCK_M + s``, a numbering that never overlaps and stays below
 ``num_tokens // BLOCK_M + num_seqs``; each program finds its sequence by binary search and programs past
 the end of their sequence's chunk do nothing.
+
+With a sliding window a query tile's key loop starts at its first query's first visible key, so a
+chunk late in a long prompt costs its window, not its whole context.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import next_pow2
+from ._triton_utils import next_pow2, softcap_scores
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query tokens per program
 BLOCK_N = 64  # context tokens per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
+NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any context
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    num_seqs,
+    num_seqs, window,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -63,13 +68,15 @@ def _prefill_kernel(
     # Keys up to the tile's last query; none at all for a tile past the end of its chunk.
     last_query = tl.minimum(first_query + BLOCK_M, q_len)
     kv_end = tl.where(first_query < q_len, context_len - q_len + last_query, 0)
+    # HF's sliding window, kv_idx > q_idx - window: nothing before the tile's first query's window.
+    kv_start = tl.maximum(context_len - q_len + first_query - window + 1, 0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_offset = kv_head.to(tl.int64) * stride_ch
-    for tile in range(0, kv_end, BLOCK_N):
+    for tile in range(kv_start, kv_end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -77,7 +84,9 @@ def _prefill_kernel(
         kv_mask = n_mask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SOFTCAP:
+            s = softcap_scores(s, softcap)
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -100,9 +109,12 @@ def paged_attention_prefill(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed variable-length queries ``[num_tokens, num_heads, head_dim]``, each attending causally to
-    its whole cached context (see the module docstring)."""
+    its cached context (see the module docstring); ``sliding_window`` and ``logit_softcap`` as in
+    ``reference.paged_attention_prefill``."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -115,13 +127,13 @@ def paged_attention_prefill(
     grid = (num_tokens // BLOCK_M + num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E,
+        scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs,
+        num_seqs, NO_WINDOW if sliding_window is None else sliding_window,
         HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_D=next_pow2(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=logit_softcap is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

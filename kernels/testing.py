@@ -79,6 +79,31 @@ def make_paged_case(
     )
 
 
+def hide_blocks_outside_window(
+    case: PagedCase, sliding_window: int, q_lens: list[int] | None = None
+) -> PagedCase:
+    """``case`` with every block-table entry wholly before each sequence's first query's window pointing
+    at one extra block full of NaN, as the KV cache manager's null block replaces freed blocks: a kernel
+    that reads any of them returns NaN. ``q_lens`` as given to ``make_paged_case`` (default: all 1)."""
+    block_size = case.k_cache.shape[1]
+    null_block = case.k_cache.shape[0]
+    nan_block = torch.full_like(case.k_cache[:1], float("nan"))
+    tables = case.block_tables.clone()
+    q_lens = q_lens if q_lens is not None else [1] * tables.shape[0]
+    for seq, (context_len, q_len) in enumerate(zip(case.context_lens.tolist(), q_lens, strict=True)):
+        first_visible = max(context_len - q_len - sliding_window + 1, 0)
+        tables[seq, : first_visible // block_size] = null_block
+    return PagedCase(
+        k_cache=torch.cat([case.k_cache, nan_block]),
+        v_cache=torch.cat([case.v_cache, nan_block]),
+        block_tables=tables,
+        context_lens=case.context_lens,
+        q_decode=case.q_decode,
+        q_prefill=case.q_prefill,
+        cu_seqlens_q=case.cu_seqlens_q,
+    )
+
+
 @dataclass
 class MoECase:
     hidden: torch.Tensor  # [T, H]

@@ -5,6 +5,10 @@
 // each sequence walks its block table, so the cache is read once, block by block, and every query head
 // uses each key and value row while it is in L1.
 //
+// A sliding window starts the walk at the block of the first visible key (HF's kv_idx > q_idx - window),
+// so a long context costs its window; the blocks before it are never read (the KV cache manager may
+// have freed them). A logit soft-cap (Gemma 2) squashes the scaled scores with tanh before the softmax.
+//
 // Registered as torch.ops.pagedserve.paged_attention_decode; kernels/cpu.py builds it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,6 +19,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -123,40 +128,62 @@ void prefetch_block(const float* cache, const int32_t* table, int64_t b, int64_t
   for (int64_t i = 0; i < s.block_stride; i += 16) __builtin_prefetch(block + i);
 }
 
-// One sequence: every query head attends over the whole cached context. Heads are the inner loop so
-// each block's K (then V) is read as one contiguous stream.
+// In place: row <- tanh(row / cap) * cap.
+void softcap_row(float* row, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) row[i] = std::tanh(row[i] * inv) * cap;
+}
+
+// The first key position the query at context_len - 1 sees; window <= 0 means no window.
+int64_t first_visible(int64_t context_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(context_len - window, 0) : 0;
+}
+
+// One sequence: every query head attends over its visible keys, positions [lo, context_len). Heads are
+// the inner loop so each block's K (then V) is read as one contiguous stream. Scores are indexed from
+// lo; the walk covers blocks first_block .. num_blocks - 1 of the table.
 void attend(const float* queries, const float* k_cache, const float* v_cache, const int32_t* table,
-            int64_t context_len, const Shape& s, float scale, std::vector<float>& scores, float* outs) {
+            int64_t context_len, const Shape& s, float scale, int64_t window, float softcap,
+            std::vector<float>& scores, float* outs) {
   std::fill(outs, outs + s.num_heads * s.head_dim, 0.f);
   if (context_len <= 0) return;
-  scores.resize(s.num_heads * context_len);
-  const int64_t num_blocks = (context_len + s.block_size - 1) / s.block_size;
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(k_cache, table, b, num_blocks, s);
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t lo = first_visible(context_len, window), span = context_len - lo;
+  scores.resize(s.num_heads * span);
+  const int64_t first_block = lo / s.block_size, num_blocks = (context_len + s.block_size - 1) / s.block_size;
+  // Rows [begin, end) of block b that are visible, as positions.
+  auto rows = [&](int64_t b) {
+    return std::pair<int64_t, int64_t>{std::max(b * s.block_size, lo), std::min((b + 1) * s.block_size, context_len)};
+  };
+  for (int64_t b = first_block; b < first_block + kPrefetchBlocks; ++b) prefetch_block(k_cache, table, b, num_blocks, s);
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     prefetch_block(k_cache, table, b + kPrefetchBlocks, num_blocks, s);
-    const float* block = k_cache + table[b] * s.block_stride;
-    const int64_t first = b * s.block_size, count = std::min(s.block_size, context_len - first);
+    const auto [begin, end] = rows(b);
+    const float* block = k_cache + table[b] * s.block_stride + (begin - b * s.block_size) * s.token_stride;
     for (int64_t h = 0; h < s.num_heads; ++h)
-      block_scores(queries + h * s.head_dim, block + (h / s.group) * s.head_dim, count, s, scale,
-                   scores.data() + h * context_len + first);
+      block_scores(queries + h * s.head_dim, block + (h / s.group) * s.head_dim, end - begin, s, scale,
+                   scores.data() + h * span + (begin - lo));
   }
-  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(v_cache, table, b, num_blocks, s);
-  for (int64_t h = 0; h < s.num_heads; ++h) softmax(scores.data() + h * context_len, context_len);
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < first_block + kPrefetchBlocks; ++b) prefetch_block(v_cache, table, b, num_blocks, s);
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    if (softcap > 0.f) softcap_row(scores.data() + h * span, span, softcap);
+    softmax(scores.data() + h * span, span);
+  }
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     prefetch_block(v_cache, table, b + kPrefetchBlocks, num_blocks, s);
-    const float* block = v_cache + table[b] * s.block_stride;
-    const int64_t first = b * s.block_size, count = std::min(s.block_size, context_len - first);
+    const auto [begin, end] = rows(b);
+    const float* block = v_cache + table[b] * s.block_stride + (begin - b * s.block_size) * s.token_stride;
     for (int64_t h = 0; h < s.num_heads; ++h)
-      accumulate_values(scores.data() + h * context_len + first, block + (h / s.group) * s.head_dim, count, s,
-                        outs + h * s.head_dim);
+      accumulate_values(scores.data() + h * span + (begin - lo), block + (h / s.group) * s.head_dim, end - begin,
+                        s, outs + h * s.head_dim);
   }
 }
 
 // q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 (each >= 1).
+// block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 (each >= 1); sliding_window
+// and logit_softcap 0 for none.
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  double scale) {
+                                  double scale, int64_t sliding_window, double logit_softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pagedserve CPU attention: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
@@ -168,6 +195,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
                   q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
                   block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
               "pagedserve CPU attention: shapes do not follow the kernel contract");
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0,
+              "pagedserve CPU attention: sliding_window and logit_softcap are positive, or 0 for none");
   const at::Tensor query = q.contiguous(), tables = block_tables.contiguous(), lens = context_lens.contiguous();
   Shape s;
   s.num_heads = query.size(1);
@@ -186,7 +215,7 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(logit_softcap);
 
   // A bad table would read outside the cache: refuse it here, as the reference's indexing would.
   const int64_t cache_blocks = k_cache.size(0);
@@ -194,7 +223,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
     const int64_t used = (len_ptr[seq] + s.block_size - 1) / s.block_size;
     TORCH_CHECK(len_ptr[seq] >= 0 && used <= s.max_blocks,
                 "paged_attention_decode: context longer than its block table");
-    for (int64_t b = 0; b < used; ++b) {
+    // Only the blocks read: those before the window may be placeholders.
+    for (int64_t b = first_visible(len_ptr[seq], sliding_window) / s.block_size; b < used; ++b) {
       const int32_t block = table_ptr[seq * s.max_blocks + b];
       TORCH_CHECK(block >= 0 && block < cache_blocks, "paged_attention_decode: block id out of range");
     }
@@ -210,7 +240,7 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
     for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
       const int64_t seq = order[i];
       attend(q_ptr + seq * s.num_heads * s.head_dim, k_ptr, v_ptr, table_ptr + seq * s.max_blocks, len_ptr[seq], s,
-             fscale, scores, out_ptr + seq * s.num_heads * s.head_dim);
+             fscale, sliding_window, fsoftcap, scores, out_ptr + seq * s.num_heads * s.head_dim);
     }
   });
   return out;
@@ -220,6 +250,6 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.) -> Tensor");
   m.impl("paged_attention_decode", c10::DispatchKey::CPU, TORCH_FN(paged_attention_decode));
 }

@@ -1,113 +1,112 @@
 """Rotary position embedding: a precomputed ``cos_sin_cache`` and the backend's ``apply_rotary``.
 
-The inverse frequencies follow Hugging Face Transformers formula for formula (default, linear, llama3,
-yarn), so positions rotate exactly as in the reference implementation. The cache is fp32
-``[max_position, head_dim]``: cos in the first half, sin in the second (the kernel contract).
+The inverse frequencies come from Hugging Face Transformers' own functions (``ROPE_INIT_FUNCTIONS`` in
+``transformers.modeling_rope_utils``: linear, dynamic, yarn, longrope, llama3, ...), so positions rotate
+exactly as in the reference implementation. The cache is fp32 ``[max_position, rotary_dim]``: cos in the
+first half, sin in the second (the kernel contract); ``rotary_dim < head_dim`` (a
+``partial_rotary_factor``) rotates the first ``rotary_dim`` features of each head and passes the rest.
+
+Two RoPE types change their frequencies with the sequence length in Transformers (its
+``dynamic_rope_update``): ``longrope`` (short factors up to ``original_max_position_embeddings``, long
+ones past it) and ``dynamic`` (NTK: the base grows once the sequence passes ``max_position_embeddings``).
+A paged KV cache keeps keys rotated as they were computed, so here every position has its own row: the
+row of position ``p`` is what Transformers computes for a sequence of ``p + 1`` tokens. That equals
+Transformers' ``generate`` token for token when the prompt fits below the threshold and decoding goes past
+it (each decode step there recomputes the frequencies for ``p + 1`` and keeps the cached keys). What
+differs: a prompt that is longer than the threshold at once, which Transformers rotates entirely with the
+frequencies of its full length (vLLM differs there too: it picks one set per batch).
 """
 
 from __future__ import annotations
 
-import math
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# "default" is Transformers' per-model default; the rest its ROPE_INIT_FUNCTIONS that we have tested.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one flat dict with ``rope_type`` and ``rope_theta``.
-
-    Reads both the Transformers 5 form (``rope_parameters``) and the older one (``rope_theta`` plus
-    ``rope_scaling``).
-    """
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's RoPE settings for ``layer_type`` (Gemma 3 nests them by attention type) as one flat
+    dict with ``rope_type`` and ``rope_theta``, after Transformers' own standardisation."""
+    standardize = getattr(hf_config, "standardize_rope_params", None)
+    if standardize is not None:
+        standardize()
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     params = dict(params)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    if params["rope_type"] in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
     return params
 
 
-def compute_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [head_dim // 2], attention_scaling)`` for the RoPE settings ``params``."""
+def _nested(hf_config: Any, layer_type: str | None) -> str | None:
+    """``layer_type`` where the config nests RoPE settings by it (Transformers' argument), else None."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return layer_type if layer_type is not None and isinstance(params.get(layer_type), dict) else None
+
+
+def compute_inv_freq(
+    hf_config: Any, head_dim: int, layer_type: str | None = None, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [rotary_dim // 2], attention_scaling)`` as Transformers computes them for ``seq_len``."""
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    base = float(params["rope_theta"])
-    dim = head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return inv_freq / params["factor"], 1.0
-    if rope_type == "llama3":
-        return _llama3(inv_freq, params), 1.0
-    return _yarn(base, dim, params, max_position)
+        dim = int(head_dim * float(params.get("partial_rotary_factor") or 1.0))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+        hf_config, torch.device("cpu"), seq_len=seq_len, layer_type=_nested(hf_config, layer_type)
+    )
+    return inv_freq.float(), float(scaling)
 
 
-def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    factor = params["factor"]
-    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
-    old_context_len = params["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+def _per_position_threshold(hf_config: Any, params: dict[str, Any]) -> int | None:
+    """The first sequence length whose frequencies differ, for the length-dependent RoPE types."""
+    if params["rope_type"] == "longrope":
+        return int(params["original_max_position_embeddings"])
+    if params["rope_type"] == "dynamic":
+        return int(hf_config.max_position_embeddings)
+    return None
 
 
-def _yarn(base: float, dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
-    original_max = params["original_max_position_embeddings"]
-    factor = params.get("factor") or max_position / original_max
-
-    def get_mscale(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = get_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a division by zero
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
+def rope_max_position(hf_config: Any, layer_type: str | None = None) -> int:
+    """How many positions the rotary table covers: ``max_position_embeddings``, times ``factor`` for
+    dynamic NTK (whose point is to run past it)."""
+    params = rope_parameters(hf_config, layer_type)
+    limit = int(hf_config.max_position_embeddings)
+    if params["rope_type"] == "dynamic":
+        return int(limit * float(params["factor"]))
+    return limit
 
 
 def build_cos_sin_cache(
-    head_dim: int, max_position: int, params: dict[str, Any], device: torch.device
+    hf_config: Any, head_dim: int, max_position: int, layer_type: str | None = None
 ) -> torch.Tensor:
-    """fp32 ``[max_position, head_dim]``: ``cos(p * f) * s`` then ``sin(p * f) * s``, computed on CPU."""
-    inv_freq, scaling = compute_inv_freq(head_dim, params, max_position)
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
-    cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-    return cache.to(device)
+    """fp32 ``[max_position, rotary_dim]``: ``cos(p * f) * s`` then ``sin(p * f) * s``, computed on CPU."""
+    params = rope_parameters(hf_config, layer_type)
+    inv_freq, scaling = compute_inv_freq(hf_config, head_dim, layer_type)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    threshold = _per_position_threshold(hf_config, params)
+    if threshold is not None and threshold < max_position:
+        if params["rope_type"] == "longrope":  # one long set for every position past the threshold
+            long_freq, _ = compute_inv_freq(hf_config, head_dim, layer_type, seq_len=threshold + 1)
+            freqs[threshold:] = torch.outer(positions[threshold:], long_freq)
+        else:  # dynamic: a base of its own for every sequence length past the threshold
+            for p in range(threshold, max_position):
+                freqs[p] = p * compute_inv_freq(hf_config, head_dim, layer_type, seq_len=p + 1)[0]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -115,19 +114,27 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(
         self,
+        hf_config: Any,
         head_dim: int,
         max_position: int,
-        params: dict[str, Any],
         kernels: ModuleType,
         device: torch.device,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels
-        self.register_buffer(
-            "cos_sin_cache", build_cos_sin_cache(head_dim, max_position, params, device), persistent=False
-        )
+        self.head_dim = head_dim
+        cache = build_cos_sin_cache(hf_config, head_dim, max_position, layer_type)
+        self.rotary_dim = cache.shape[-1]
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.apply_rotary(q, k, positions, self.cos_sin_cache)
+        if self.rotary_dim == self.head_dim:
+            return self.kernels.apply_rotary(q, k, positions, self.cos_sin_cache)
+        rot = self.rotary_dim
+        q_rot, k_rot = self.kernels.apply_rotary(
+            q[..., :rot].contiguous(), k[..., :rot].contiguous(), positions, self.cos_sin_cache
+        )
+        return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)

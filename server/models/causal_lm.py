@@ -90,13 +90,20 @@ class DecoderForCausalLM(nn.Module):
         self.dtype, self.device = dtype, device
         self.num_layers, self.num_heads = spec.num_layers, spec.num_heads
         self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
-        self.vocab_size, self.max_position = spec.vocab_size, spec.max_position
+        self.vocab_size = spec.vocab_size
         self.tie_word_embeddings = spec.tie_word_embeddings
         windows = [w for w in spec.sliding_windows if w is not None]
         self.sliding_window: int | None = max(windows) if windows else None
         self.model = DecoderModel(
-            spec, self.rotary_params(hf_config, spec), self.make_mlp, backend.kernels, dtype, device
+            spec,
+            hf_config,
+            self.rotary_params(hf_config, spec),
+            self.make_mlp,
+            backend.kernels,
+            dtype,
+            device,
         )
+        self.max_position = self.model.max_position
         self.lm_head = (
             None
             if spec.tie_word_embeddings
@@ -111,7 +118,9 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def rotary_params(cls, hf_config: Any, spec: DecoderSpec) -> dict[str, dict[str, Any]]:
-        return {layer_type: rope_parameters(hf_config) for layer_type in sorted(set(spec.layer_types))}
+        return {
+            layer_type: rope_parameters(hf_config, layer_type) for layer_type in sorted(set(spec.layer_types))
+        }
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         return GatedMLP(self.spec, self.backend.kernels, self.dtype, self.device)
@@ -132,8 +141,8 @@ class DecoderForCausalLM(nn.Module):
         """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(hidden, weight).float()
-        if self.spec.logits_scale != 1.0:
-            logits = logits * self.spec.logits_scale
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 from pagedserve.server.layers.activation import get_act_and_mul
 from pagedserve.server.layers.attention import Attention, AttentionMetadata
 from pagedserve.server.layers.linear import Linear, VocabEmbedding
 from pagedserve.server.layers.norm import RMSNorm
-from pagedserve.server.layers.rotary import RotaryEmbedding
+from pagedserve.server.layers.rotary import RotaryEmbedding, rope_max_position
 from pagedserve.server.models.spec import DecoderSpec
 from torch import nn
 
@@ -169,12 +170,14 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embedding, layers, final norm; one rotary table per attention type (Gemma 3's local layers rotate
-    with their own base)."""
+    with their own base). ``rotary_params``: the RoPE settings of each layer type (keys of
+    ``spec.layer_types``), as ``rope_parameters`` reads them from ``hf_config``."""
 
     def __init__(
         self,
         spec: DecoderSpec,
-        rotary_params: dict[str, dict],
+        hf_config: Any,
+        rotary_params: dict[str, dict[str, Any]],
         make_mlp: MLPFactory,
         kernels: ModuleType,
         dtype: torch.dtype,
@@ -182,22 +185,26 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
-        # Rounded to the model dtype before the multiply, as HF's Gemma does.
-        self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype).item()
+        self.embed_scale = spec.embed_scale
+        if spec.embed_scale_in_model_dtype:
+            self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype).item()
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, make_mlp(i), kernels, dtype, device) for i in range(spec.num_layers)
         )
         self.norm = make_norm(spec, spec.hidden_size, kernels, dtype, device)
         # One table per distinct parameter set: Qwen2's sliding and full layers rotate alike, and share it.
         tables: dict[str, RotaryEmbedding] = {}
-        for params in rotary_params.values():
+        for layer_type, params in rotary_params.items():
             if repr(params) not in tables:
+                max_position = rope_max_position(hf_config, layer_type)
                 tables[repr(params)] = RotaryEmbedding(
-                    spec.head_dim, spec.max_position, params, kernels, device
+                    hf_config, spec.head_dim, max_position, kernels, device, layer_type
                 )
         self.rotary_emb = nn.ModuleDict(
             {layer_type: tables[repr(params)] for layer_type, params in rotary_params.items()}
         )
+        # Positions must stay below this: the shortest rotary table.
+        self.max_position = min(table.cos_sin_cache.shape[0] for table in tables.values())
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -3,7 +3,7 @@
 Which layers have experts: all but ``mlp_only_layers``, every ``decoder_sparse_step``-th (the others keep
 a dense MLP of ``intermediate_size``). Experts are ``moe_intermediate_size`` wide; top-k weights are
 renormalised when ``norm_topk_prob`` says. Qwen2-MoE adds a shared expert on every token, scaled by
-``sigmoid(shared_expert_gate(x))``; Qwen3-MoE has none, and normalises q and k per head.
+``sigmoid(shared_expert_gate(x))``; Qwen3-MoE has none, and is Qwen3's decoder (q/k norm per head).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.server.layers.fused_moe import MoESpec
-from pagedserve.server.models.causal_lm import DecoderForCausalLM
 from pagedserve.server.models.moe import MoEMixin
 from pagedserve.server.models.qwen2 import Qwen2ForCausalLM
-from pagedserve.server.models.spec import FULL_ATTENTION, SLIDING_ATTENTION, DecoderSpec, llama_spec_fields
+from pagedserve.server.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.server.models.spec import SLIDING_ATTENTION, DecoderSpec
 
 
 def qwen_moe_spec(hf_config: Any, num_layers: int, shared_expert_size: int = 0) -> MoESpec:
@@ -47,15 +47,14 @@ class Qwen2MoeForCausalLM(MoEMixin, Qwen2ForCausalLM):
         return qwen_moe_spec(hf_config, num_layers, hf_config.shared_expert_intermediate_size or 0)
 
 
-class Qwen3MoeForCausalLM(MoEMixin, DecoderForCausalLM):
+class Qwen3MoeForCausalLM(MoEMixin, Qwen3ForCausalLM):
     @classmethod
     def spec_from_config(cls, hf_config: Any) -> DecoderSpec:
-        fields = llama_spec_fields(hf_config)
-        window = fields["sliding_window"] if getattr(hf_config, "use_sliding_window", False) else None
-        # Transformers' Qwen3-MoE applies its window, when it has one, to every layer.
-        layer_type = FULL_ATTENTION if window is None else SLIDING_ATTENTION
-        fields.update(qk_norm="head", sliding_window=window, layer_types=[layer_type] * fields["num_layers"])
-        return DecoderSpec(**fields)
+        spec = super().spec_from_config(hf_config)
+        # Qwen3-MoE configs have no layer_types: Transformers applies the window, if any, to every layer.
+        if spec.sliding_window is not None and not getattr(hf_config, "layer_types", None):
+            spec.layer_types = [SLIDING_ATTENTION] * spec.num_layers
+        return spec
 
     @classmethod
     def moe_spec(cls, hf_config: Any, num_layers: int) -> MoESpec:

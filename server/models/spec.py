@@ -35,7 +35,6 @@ class DecoderSpec:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
-    max_position: int
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -50,9 +49,10 @@ class DecoderSpec:
     qk_norm: QKNorm | None = None
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
-    embed_scale: float = 1.0  # embeddings times this, rounded to the model dtype first (Gemma, Granite)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size); Granite: embedding_multiplier)
+    embed_scale_in_model_dtype: bool = False  # round the scale to the model dtype first, as HF's Gemma does
     residual_multiplier: float = 1.0  # each branch's output times this before the residual add (Granite)
-    logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
     final_logit_softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2/3)
 
     def __post_init__(self) -> None:
@@ -88,7 +88,6 @@ def llama_spec_fields(cfg: Any) -> dict[str, Any]:
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
         vocab_size=cfg.vocab_size,
         rms_norm_eps=cfg.rms_norm_eps,
-        max_position=cfg.max_position_embeddings,
         hidden_act=getattr(cfg, "hidden_act", None) or "silu",
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=attention_bias,

@@ -3,7 +3,17 @@
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import contexts, make_paged_case
+from pagedserve.kernels.testing import contexts, hide_blocks_outside_window, make_paged_case
+
+# (sliding_window, logit_softcap): today's full attention, Mistral's window (shorter than a block, and
+# several blocks long), Gemma 2's soft-capping, both.
+VARIANTS = [
+    pytest.param(None, None, id="full"),
+    pytest.param(5, None, id="window5"),
+    pytest.param(70, None, id="window70"),
+    pytest.param(None, 2.5, id="softcap"),
+    pytest.param(37, 3.0, id="window-softcap"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +35,17 @@ def op():
         (3, 1, 20),  # head_dim not a multiple of 8: scalar scores
     ],
 )
-def test_matches_reference(op, num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize(("sliding_window", "logit_softcap"), VARIANTS)
+def test_matches_reference(op, num_heads, num_kv_heads, head_dim, block_size, sliding_window, logit_softcap):
     case = make_paged_case(
         contexts(block_size, long_blocks=9), num_heads, num_kv_heads, head_dim, block_size, seed=3
     )
+    if sliding_window is not None:  # blocks before the window hold NaN: reading one would show
+        case = hide_blocks_outside_window(case, sliding_window)
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, head_dim**-0.5)
-    actual = cpu.paged_attention_decode(*args)
-    expected = reference.paged_attention_decode(*args)
+    variant = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    actual = cpu.paged_attention_decode(*args, **variant)
+    expected = reference.paged_attention_decode(*args, **variant)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert (actual - expected).abs().max().item() <= 1e-5
 

@@ -13,7 +13,7 @@ import pagedserve.kernels as triton_kernels
 import pytest
 import torch
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import contexts, make_paged_case
+from pagedserve.kernels.testing import contexts, hide_blocks_outside_window, make_paged_case
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
@@ -91,6 +91,74 @@ def test_paged_attention_prefill_many_tiles_and_empty_chunks():
         0.125,
     )
     assert_close(triton_kernels.paged_attention_prefill(*args), reference.paged_attention_prefill(*args))
+
+
+# (sliding_window, logit_softcap): a window shorter than a block, one of several blocks, Gemma 2's
+# soft-capping, both. Fewer shapes than above: the interpreter is slow and the variants only change
+# which keys a query sees and how its scores are squashed.
+VARIANTS = [
+    pytest.param(5, None, id="window5"),
+    pytest.param(40, None, id="window40"),
+    pytest.param(None, 2.5, id="softcap"),
+    pytest.param(37, 3.0, id="window-softcap"),
+]
+VARIANT_SHAPES = [pytest.param(1, 64, 16, id="gqa1-d64-bs16"), pytest.param(3, 128, 32, id="gqa3-d128-bs32")]
+
+
+def variant_case(group, head_dim, block_size, dtype, sliding_window, q_lens=None):
+    heads, kv_heads = KV_HEADS[group] * group, KV_HEADS[group]
+    case = make_paged_case(contexts(block_size), heads, kv_heads, head_dim, block_size, dtype, q_lens=q_lens)
+    # Blocks before every query's window hold NaN, as freed blocks point at the null block: unread.
+    return case if sliding_window is None else hide_blocks_outside_window(case, sliding_window, q_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), VARIANT_SHAPES)
+@pytest.mark.parametrize(("sliding_window", "logit_softcap"), VARIANTS)
+def test_paged_attention_decode_variants(group, head_dim, block_size, dtype, sliding_window, logit_softcap):
+    case = variant_case(group, head_dim, block_size, dtype, sliding_window)
+    args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, head_dim**-0.5)
+    variant = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    expected = reference.paged_attention_decode(*args, **variant)
+    assert_close(triton_kernels.paged_attention_decode(*args, **variant), expected)
+    assert_close(decode_module._decode(*args, num_splits=4, partition=block_size + 8, **variant), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), VARIANT_SHAPES)
+@pytest.mark.parametrize(("sliding_window", "logit_softcap"), VARIANTS)
+def test_paged_attention_prefill_variants(
+    group, head_dim, block_size, dtype, sliding_window, logit_softcap, monkeypatch
+):
+    monkeypatch.setattr(prefill_module, "BLOCK_M", 32)
+    monkeypatch.setattr(prefill_module, "BLOCK_N", 32)
+    q_lens = [1, 2 * block_size, 7, 1, 7]
+    case = variant_case(group, head_dim, block_size, dtype, sliding_window, q_lens)
+    args = (case.q_prefill, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
+            case.context_lens, head_dim**-0.5)
+    variant = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    assert_close(triton_kernels.paged_attention_prefill(*args, **variant),
+                 reference.paged_attention_prefill(*args, **variant))
+
+
+def test_paged_attention_decode_splits_only_the_window(monkeypatch):
+    """A long context with a window: split-K partitions cover the window alone, not the context (so a
+    long context costs its window), and the answer is the reference's."""
+    window = 100
+    case = hide_blocks_outside_window(make_paged_case([700, 1, 90], 4, 1, 64, 16, seed=2), window)
+    args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    launches = []
+    real_decode = decode_module._decode
+
+    def recording_decode(*call):
+        launches.append(call[6:8])  # (num_splits, partition)
+        return real_decode(*call)
+
+    monkeypatch.setattr(decode_module, "_decode", recording_decode)
+    actual = triton_kernels.paged_attention_decode(*args, sliding_window=window)
+    assert_close(actual, reference.paged_attention_decode(*args, sliding_window=window))
+    (num_splits, partition), = launches
+    assert (num_splits - 1) * partition < window  # no partition starts past the window's keys
 
 
 def test_paged_attention_decode_long_context_splits():
