@@ -140,16 +140,28 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_m: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.fused_moe``; ``block_m`` overrides the row tile (tests)."""
+    """Same contract as ``reference.fused_moe``."""
+    num_rows, num_experts = topk_ids.numel(), w13.shape[0]
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, choose_block_m(num_rows, num_experts))
+
+
+def _fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_m: int,
+) -> torch.Tensor:
+    """``fused_moe`` with the row tile given (tests use it to get several tiles per expert)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden_size = w2.shape[0], w2.shape[1]
     if num_tokens == 0:
         return torch.empty((0, hidden_size), dtype=hidden.dtype, device=hidden.device)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     num_rows = num_tokens * top_k
-    alignment = align_by_expert(topk_ids, num_experts, block_m or choose_block_m(num_rows, num_experts))
+    alignment = align_by_expert(topk_ids, num_experts, block_m)
     gate_up = torch.empty((num_rows, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, alignment, a_rows_per_token=top_k)
     activated = silu_and_mul(gate_up)

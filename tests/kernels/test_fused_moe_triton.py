@@ -28,7 +28,7 @@ def check(num_tokens, top_k, block_m, num_experts=5, num_idle=2, hidden=32, inte
     )
     assert not bool(torch.isin(case.topk_ids, torch.tensor(case.idle_experts, device=DEVICE)).any())
     args = (case.hidden, case.w13, case.w2, case.topk_weights, case.topk_ids)
-    actual = fused_moe_module.fused_moe(*args, block_m=block_m)
+    actual = fused_moe_module._fused_moe(*args, block_m)
     expected = reference.fused_moe(*args)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert (actual - expected).abs().max().item() <= 1e-4
@@ -60,3 +60,26 @@ def test_alignment_pads_each_expert_to_whole_tiles():
     rows = alignment.sorted_rows[:padded_len].view(3, 4).tolist()
     assert rows == [[1, 4, 6, 6], [0, 2, 5, 6], [3, 6, 6, 6]]  # flat token * k + slot; 6 pads
     assert alignment.tile_experts[:3].tolist() == [0, 2, 3]
+
+
+def test_moe_layer_on_the_triton_backend():
+    """The layer (router, top-k, shared expert) with Triton's kernels equals it with the references."""
+    from pagedserve.server.layers.fused_moe import FusedMoE, MoESpec
+    from pagedserve.server.layers.linear import Linear
+
+    spec = MoESpec(6, 2, 32, renormalize=False, sparse_layers=frozenset({0}), shared_expert_size=48,
+                   shared_expert_gate=True)  # fmt: skip
+    device = torch.device(DEVICE)
+    f32 = torch.float32
+    # Any module serves as the shared expert; a projection keeps the test about the routed path.
+    layers = [
+        FusedMoE(spec, 32, Linear(32, 32, False, f32, device), backend, f32, device)
+        for backend in (kernels, reference)
+    ]
+    generator = torch.Generator().manual_seed(3)
+    for triton_param, reference_param in zip(layers[0].parameters(), layers[1].parameters(), strict=True):
+        triton_param.copy_(torch.randn(triton_param.shape, generator=generator) * 0.3)
+        reference_param.copy_(triton_param)
+    x = torch.randn(9, 32, generator=generator).to(device)
+    with torch.inference_mode():
+        assert (layers[0](x) - layers[1](x)).abs().max().item() <= 1e-4
