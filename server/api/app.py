@@ -124,7 +124,13 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        return VersionResponse(version=__version__, backend=engine.config.attention_backend)
+        from pagedserve.server.models.registry import supported_architectures
+
+        return VersionResponse(
+            version=__version__,
+            backend=engine.config.attention_backend,
+            architectures=supported_architectures(),
+        )
 
     @app.get(
         "/metrics",

@@ -30,7 +30,23 @@ def human_bytes(value: str) -> int:
     return int(float(number) * base ** " kmgt".index(unit.lower() or " "))
 
 
+# The serve help's epilog, filled in when help is printed (_ServeHelpFormatter): the model registry
+# imports torch, and every subcommand's parser is built for `pagedserve router --help` too.
+_ARCHITECTURES_EPILOG = "supported architectures (config.json's \"architectures\")"
+
+
+class _ServeHelpFormatter(argparse.HelpFormatter):
+    def add_text(self, text: str | None) -> None:
+        if text is _ARCHITECTURES_EPILOG:
+            from pagedserve.server.models.registry import supported_architectures
+
+            text = f"{_ARCHITECTURES_EPILOG}: {', '.join(supported_architectures())}"
+        super().add_text(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = _ARCHITECTURES_EPILOG
+    parser.formatter_class = _ServeHelpFormatter
     parser.add_argument(
         "model_tag",
         nargs="?",

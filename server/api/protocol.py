@@ -437,3 +437,4 @@ class DetokenizeResponse(OpenAIBaseModel):
 class VersionResponse(OpenAIBaseModel):
     version: str
     backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"
+    architectures: list[str] = []  # the model architectures this server can load (server/models/registry.py)

@@ -6,7 +6,8 @@
   and its config.
 - ``sampling_defaults(path, generation_config)``: generation_config.json's sampling values (request defaults).
 
-Exports are lazy: resolving a model (or finding the default model's tokenizer) never imports torch.
+Exports are lazy: resolving a folder (or finding the default model's tokenizer) never imports torch;
+resolving a hub id or a GGUF file checks its architecture against the model registry first, which does.
 """
 
 from __future__ import annotations

@@ -72,7 +72,15 @@ class DecoderAttention(nn.Module):
             self.q_norm = make_norm(spec, q_norm_size, kernels, dtype, device)
             self.k_norm = make_norm(spec, k_norm_size, kernels, dtype, device)
         scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
-        self.attn = Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, kernels)
+        self.attn = Attention(
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            scale,
+            kernels,
+            sliding_window=spec.layer_sliding_window(layer_index),
+            logit_softcap=spec.attn_softcap,
+        )
 
     def forward(
         self,

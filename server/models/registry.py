@@ -42,16 +42,22 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(hf_config: Any) -> type[DecoderForCausalLM]:
-    """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
-    names = list(getattr(hf_config, "architectures", None) or [])
+def check_architectures(names: list[str]) -> str:
+    """The first supported name among a config's ``architectures``; a ValueError naming them and the
+    supported list otherwise. Called before any weights are read, downloaded or converted
+    (server/loader/resolve.py, server/loader/weights.py)."""
     for name in names:
         if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
+            return name
     raise ValueError(
         f"unsupported model architecture {names or '(none given in config.json)'}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def get_model_class(hf_config: Any) -> type[DecoderForCausalLM]:
+    """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
+    return MODEL_REGISTRY[check_architectures(list(getattr(hf_config, "architectures", None) or []))]
 
 
 def build_model(

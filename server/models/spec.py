@@ -49,7 +49,9 @@ class DecoderSpec:
     qk_norm: QKNorm | None = None
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
-    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size); Granite: embedding_multiplier)
+    embed_scale: float = (
+        1.0  # embeddings times this (Gemma: sqrt(hidden_size); Granite: embedding_multiplier)
+    )
     embed_scale_in_model_dtype: bool = False  # round the scale to the model dtype first, as HF's Gemma does
     residual_multiplier: float = 1.0  # each branch's output times this before the residual add (Granite)
     logits_scaling: float = 1.0  # logits divided by this (Granite)

@@ -102,7 +102,9 @@ async def test_models_health_version(client: httpx.AsyncClient) -> None:
     assert (await client.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
     assert_error(await client.get("/v1/models/nope"), 404)
     assert (await client.get("/health")).status_code == 200
-    assert (await client.get("/version")).json()["version"]
+    version = (await client.get("/version")).json()
+    assert version["version"]
+    assert {"LlamaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"} <= set(version["architectures"])
 
 
 async def test_chat_completion_shape_and_usage(client: httpx.AsyncClient, engine: FakeEngine) -> None:

@@ -19,6 +19,7 @@ from pagedserve.server.backend import Backend, select_backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.loader import load_model
 from pagedserve.server.models.registry import build_model
+from parity import random_hf_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -211,26 +212,9 @@ CASES = {
 }  # fmt: skip
 
 
-def random_hf_model(config, seed: int = 0):
-    """An HF model whose every parameter (biases and norm weights too) is random and O(1)-safe."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_with_arch(config), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * noise)
-            elif param.dim() == 1:
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(noise / math.sqrt(param.shape[-1]))
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny_checkpoint(request, tmp_path_factory):
-    hf = random_hf_model(CASES[request.param])
+    hf = random_hf_model(_with_arch(CASES[request.param]))
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return request.param, hf, path
@@ -269,7 +253,7 @@ def test_model_on_the_triton_kernels():
         return
     config = CASES["qwen2-bias-gqa3-tied"].__class__.from_dict(CASES["qwen2-bias-gqa3-tied"].to_dict())
     config.num_hidden_layers = 1
-    hf = random_hf_model(config)
+    hf = random_hf_model(_with_arch(config))
     ours = build_model(hf.config, torch.float32, "cpu", backend_on_cpu("triton"))
     ours.load_weights(hf.state_dict().items())
     assert_matches_hf(hf, ours, random_prompts(256, lengths=(3, 9, 18, 7)), atol=1e-4)
@@ -306,7 +290,41 @@ def test_unsupported_architecture_lists_supported():
 
 def test_unsupported_rope_type_is_named():
     config = _with_arch(
-        LlamaConfig(**TINY, num_attention_heads=4, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+        LlamaConfig(
+            **TINY, num_attention_heads=4, rope_parameters={"rope_type": "proportional", "factor": 2.0}
+        )
     )
-    with pytest.raises(ValueError, match="dynamic"):
+    with pytest.raises(ValueError, match="proportional"):
         build_model(config, torch.float32, "cpu", backend_on_cpu())
+
+
+@torch.inference_mode()
+def test_dynamic_ntk_past_max_position_matches_hf_generate():
+    """Dynamic NTK scaling changes the frequencies once a sequence passes max_position_embeddings (32):
+    decoding from a 24-token prompt to position 43 rotates every new token as HF's generate does (its
+    ``dynamic_rope_update`` recomputes them for each longer sequence and keeps the cached keys)."""
+    from parity import hf_greedy
+
+    config = _with_arch(
+        LlamaConfig(
+            **{**TINY, "max_position_embeddings": 32},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        )
+    )
+    hf = random_hf_model(config)
+    ours = build_model(hf.config, torch.float32, "cpu", backend_on_cpu())
+    ours.load_weights(hf.state_dict().items())
+    assert ours.max_position == 64  # max_position_embeddings * factor
+    prompt, steps = random_prompts(256, lengths=(24,))[0], 20
+    expected = hf_greedy(hf, prompt, steps)
+    sim = PagedSim(ours, 1, len(prompt) + steps)
+    logits = sim.step({0: prompt})[0][-1]
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
+        logits = sim.step({0: tokens[-1:]})[0][-1]
+    assert tokens == expected.tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected.logprobs), atol=1e-4, rtol=0)
