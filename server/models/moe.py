@@ -95,4 +95,3 @@ class MoEMixin:
                 for name, (param_name, slab) in module.checkpoint_names(path).items():
                     expected[name] = (path, param_name, slab)
         return expected
-
