@@ -10,7 +10,8 @@ here from that description.
 
 Launch sizes depend only on tensor shapes: the padded length is bounded from ``T * k`` and the
 number of experts, and tiles past the real padded length (a device tensor) return at once. So the
-call needs no host synchronisation and can be captured in a CUDA graph.
+call needs no host synchronisation and can be captured in a CUDA graph. Batches longer than
+``MAX_TOKENS_PER_PASS`` tokens run in passes of that many, to bound the intermediate buffers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from .silu_and_mul import silu_and_mul
 BLOCK_M_SMALL = 16  # rows per tile when experts get few tokens each (decode)
 BLOCK_M_LARGE = 64  # rows per tile for prefill-sized batches
 ROWS_PER_EXPERT_FOR_LARGE = 32  # mean (token, slot) rows per expert from which BLOCK_M_LARGE pays
+# Tokens per pass: bounds the intermediates ([T * k, 2I] activations, [T * k, H] float32 partial outputs;
+# Mixtral's 2048-token chunk needs about 0.5 GiB in bfloat16) whatever the prefill chunk.
+MAX_TOKENS_PER_PASS = 2048
 MAX_BLOCK_N = 64
 MAX_BLOCK_K = 64
 NUM_WARPS = 4
@@ -142,8 +146,13 @@ def fused_moe(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Same contract as ``reference.fused_moe``."""
-    num_rows, num_experts = topk_ids.numel(), w13.shape[0]
-    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, choose_block_m(num_rows, num_experts))
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens <= MAX_TOKENS_PER_PASS:
+        block_m = choose_block_m(num_tokens * top_k, w13.shape[0])
+        return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, block_m)
+    step = MAX_TOKENS_PER_PASS
+    passes = [slice(start, start + step) for start in range(0, num_tokens, step)]
+    return torch.cat([fused_moe(hidden[p], w13, w2, topk_weights[p], topk_ids[p]) for p in passes])
 
 
 def _fused_moe(

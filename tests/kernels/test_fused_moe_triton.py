@@ -46,7 +46,8 @@ def test_several_tiles_per_expert_and_odd_sizes():
     check(40, 2, block_m=16, num_experts=3, num_idle=1, hidden=40, intermediate=24, seed=7)
 
 
-def test_public_entry_point_picks_a_tile():
+def test_public_entry_point_picks_a_tile_and_splits_long_batches(monkeypatch):
+    monkeypatch.setattr(fused_moe_module, "MAX_TOKENS_PER_PASS", 2)  # 3 tokens: two passes
     case = make_moe_case(3, 32, 48, 4, 2, device=DEVICE)
     args = (case.hidden, case.w13, case.w2, case.topk_weights, case.topk_ids)
     assert (kernels.fused_moe(*args) - reference.fused_moe(*args)).abs().max().item() <= 1e-4
