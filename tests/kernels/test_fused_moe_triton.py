@@ -84,3 +84,35 @@ def test_moe_layer_on_the_triton_backend():
     x = torch.randn(9, 32, generator=generator).to(device)
     with torch.inference_mode():
         assert (layers[0](x) - layers[1](x)).abs().max().item() <= 1e-4
+
+
+CUDA_ONLY = pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tl.dot and CUDA graphs need a GPU")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_bfloat16_at_model_sizes(num_tokens):
+    """Mixtral's routing (8 experts, top 2) at a quarter of its widths, decode to prefill sizes."""
+    case = make_moe_case(num_tokens, 1024, 896, 8, 2, dtype=torch.bfloat16, device=DEVICE, seed=num_tokens)
+    args = (case.hidden, case.w13, case.w2, case.topk_weights, case.topk_ids)
+    actual, expected = kernels.fused_moe(*args), reference.fused_moe(*args)
+    assert actual.dtype == torch.bfloat16
+    assert (actual.float() - expected.float()).abs().max().item() <= 5e-2
+
+
+@CUDA_ONLY
+def test_replays_in_a_cuda_graph_with_new_routing():
+    """No host synchronisation: captured once, the graph follows routing it was not captured with."""
+    case = make_moe_case(4, 64, 96, 6, 2, device=DEVICE, num_idle=0)
+    hidden, ids, weights = case.hidden.clone(), case.topk_ids.clone(), case.topk_weights.clone()
+    kernels.fused_moe(hidden, case.w13, case.w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.fused_moe(hidden, case.w13, case.w2, weights, ids)
+    other = make_moe_case(4, 64, 96, 6, 2, device=DEVICE, num_idle=3, seed=9)
+    hidden.copy_(other.hidden)
+    ids.copy_(other.topk_ids)
+    weights.copy_(other.topk_weights)
+    graph.replay()
+    expected = reference.fused_moe(hidden, case.w13, case.w2, weights, ids)
+    assert (out - expected).abs().max().item() <= 1e-4
