@@ -5,15 +5,30 @@ request's ``cache_salt``, so requests with different salts never share a block),
 equal prefixes. Blocks become findable as soon as they are allocated for tokens that fill them:
 within one forward pass every layer stores all new K/V before any attention reads, so a request
 scheduled later in the same step may already share them (this is how n > 1 samples share a prompt).
+
+Sliding window (``sliding_window``: every attention layer of the model attends only to the last
+``sliding_window`` positions, as Mistral's do): a block wholly before the window of a request's next
+token is never read again, so it goes back to the pool as the request advances and its place in the
+block table is taken by one shared null block, which the attention kernels never read (vLLM's
+SlidingWindowManager). A freed block keeps its hash, so other requests may still hit it. A prefix hit
+needs only the blocks inside the window of the first token the request computes: the ones before may
+be evicted already, and are not taken. Models whose layers differ (Gemma 2/3 alternate local and global
+layers) pass no window and keep every block; vLLM's hybrid allocator, one block table per kind of layer,
+is the full answer there.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedserve.server.core.block_pool import Block, BlockPool
 from pagedserve.server.request import Request
+
+if TYPE_CHECKING:  # the block bookkeeping needs no torch
+    from pagedserve.server.layers.attention import Attention
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -31,11 +46,29 @@ def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:
     return hashlib.blake2b(root_hash + cache_salt.encode(), digest_size=16).digest()
 
 
+def uniform_sliding_window(attention_layers: Iterable[Attention]) -> int | None:
+    """The window the KV cache may slide by: the one every attention layer shares. ``None`` when a layer
+    attends to everything, including models whose layers differ (Gemma 2/3's local and global layers:
+    the global ones need every block)."""
+    windows = {layer.sliding_window for layer in attention_layers}
+    return windows.pop() if len(windows) == 1 else None
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_seed: str) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        hash_seed: str,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
+        # Stands in the block table for blocks freed behind the window; held for good, never cached.
+        self.null_block: Block | None = self.pool.allocate(1)[0] if sliding_window is not None else None
         self.root_hash = seed_hash(hash_seed)
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
@@ -53,42 +86,63 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
-        """The longest run of cached blocks at the start of the request's tokens.
+        """The longest cached prefix of the request's tokens, as blocks for the start of its table.
 
         The last token is always computed (its logits are needed), so a fully cached prompt gives up
         its final block. A request still owing prompt logprobs needs the logits of every prompt position,
-        so it takes no hits (as in vLLM), though the blocks it fills are cached for others.
+        so it takes no hits (as in vLLM), though the blocks it fills are cached for others. With a
+        sliding window only the blocks inside the window of the first computed token must be cached;
+        the null block stands for those before it.
         """
         if not self.enable_caching or request.needs_prompt_logprobs:
             return []
         hashes = self._full_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        found = [self.pool.lookup(block_hash) for block_hash in hashes[:max_blocks]]
+        num_hit = self._longest_usable_prefix(found)
+        skipped = self._num_skipped_blocks(num_hit * self.block_size)
+        hits = [self.null_block] * skipped + found[skipped:num_hit]
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
+        self.prefix_hits += num_hit * self.block_size
         return hits
+
+    def _longest_usable_prefix(self, found: list[Block | None]) -> int:
+        """The most leading blocks a request can take: every block it still needs there is cached."""
+        if self.sliding_window is None:
+            return next((i for i, block in enumerate(found) if block is None), len(found))
+        best, run = 0, 0  # run: cached blocks ending at block i
+        for i, block in enumerate(found):
+            run = run + 1 if block is not None else 0
+            if run >= i + 1 - self._num_skipped_blocks((i + 1) * self.block_size):
+                best = i + 1
+        return best
+
+    def _num_skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks wholly before the window of the token at ``num_computed``: never read again.
+        The window holds positions ``num_computed - sliding_window + 1 .. num_computed`` (HF's)."""
+        if self.sliding_window is None:
+            return 0
+        return max(num_computed - self.sliding_window + 1, 0) // self.block_size
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
         """Room for ``num_new_tokens`` more tokens after the computed ones (and ``cached`` hits).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False when the pool cannot supply the blocks, changing nothing but the return of blocks
+        that have fallen out of the sliding window (which are never read again either way).
         """
         cached = cached or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        self._free_skipped_blocks(blocks, num_computed)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(cached)
+        taken = [b for b in cached if b is not self.null_block]
         # Hits that sit in the free queue stop being free once touched.
-        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+        reclaimed = sum(1 for b in taken if b.ref_cnt == 0)
         if needed + reclaimed > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return False
-        self.pool.touch(cached)
+        self.pool.touch(taken)
         blocks.extend(cached)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
@@ -100,7 +154,18 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free([b for b in reversed(blocks) if b is not self.null_block])
+
+    def _free_skipped_blocks(self, blocks: list[Block], num_computed: int) -> None:
+        """Return the blocks behind the window of the token at ``num_computed``; the null block takes
+        their places, so positions still index the table."""
+        skipped = min(self._num_skipped_blocks(num_computed), len(blocks))
+        freed = [b for b in blocks[:skipped] if b is not self.null_block]
+        if not freed:
+            return
+        blocks[:skipped] = [self.null_block] * skipped
+        # Oldest first, so evicted first: a windowed prefix hit needs the blocks nearest its end.
+        self.pool.free(freed)
 
     def _full_block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of every full block of the request's known tokens, extended incrementally."""
@@ -121,5 +186,6 @@ class KVCacheManager:
             return
         hashes = self._full_block_hashes(request)
         for i in range(done, num_full):
-            self.pool.cache(blocks[i], hashes[i])
+            if blocks[i] is not self.null_block:  # a hit past the window: its block was never taken
+                self.pool.cache(blocks[i], hashes[i])
         self.req_num_cached[request.request_id] = num_full

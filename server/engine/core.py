@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from pagedserve.server.backend import select_backend
 from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
-from pagedserve.server.core.kv_cache_manager import KVCacheManager
+from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import StepError
@@ -43,6 +43,7 @@ class EngineCore:
             config.block_size,
             config.enable_prefix_caching,
             hash_seed=f"{self.model_path}:{self.dtype}",
+            sliding_window=uniform_sliding_window(self.model.attention_layers()),
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
         self.requests: dict[str, Request] = {}

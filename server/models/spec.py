@@ -65,8 +65,9 @@ class DecoderSpec:
             )
         if not self.layer_types:
             self.layer_types = [FULL_ATTENTION] * self.num_layers
-        if len(self.layer_types) != self.num_layers:
+        if len(self.layer_types) < self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        self.layer_types = self.layer_types[: self.num_layers]  # Transformers reads only these too
 
     def layer_sliding_window(self, layer_index: int) -> int | None:
         """The attention window of layer ``layer_index``; ``None`` for full attention."""

@@ -23,6 +23,8 @@ from parity import random_hf_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -206,6 +208,16 @@ CASES = {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         },
     ),
+    "gemma2-window-softcap": Gemma2Config(
+        **TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gemma3-qk-norm-local-rope": Gemma3TextConfig(
+        **TINY, num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=8, rope_theta=1000000.0, rope_local_base_freq=100.0,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "mistral-gqa4": MistralConfig(
         **TINY, num_attention_heads=8, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False
     ),
@@ -229,8 +241,10 @@ def test_tiny_models_match_hf(tiny_checkpoint):
     assert_matches_hf(hf, ours, random_prompts(config.vocab_size), atol=1e-4)
 
 
-def test_model_on_the_triton_kernels():
-    """Every kernel from ``pagedserve.kernels`` (what CUDA gets), in Triton's CPU interpreter.
+@pytest.mark.parametrize("case", ["qwen2-bias-gqa3-tied", "gemma2-window-softcap"])
+def test_model_on_the_triton_kernels(case):
+    """Every kernel from ``pagedserve.kernels`` (what CUDA gets), in Triton's CPU interpreter; the Gemma 2
+    case's one layer is a sliding-window layer with soft-capped scores, prompts up to 18 > 8 tokens.
 
     The interpreter mode is fixed when triton is first imported, so unless this process already
     interprets, the case runs in a child pytest started with ``TRITON_INTERPRET=1``.
@@ -240,7 +254,7 @@ def test_model_on_the_triton_kernels():
 
     if not interpreter_active():
         assert os.environ.get("TRITON_INTERPRET") != "1", "TRITON_INTERPRET=1 but triton was imported before"
-        test_id = f"{Path(__file__).name}::test_model_on_the_triton_kernels"
+        test_id = f"{Path(__file__).name}::test_model_on_the_triton_kernels[{case}]"
         result = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
             cwd=Path(__file__).parent,
@@ -251,7 +265,7 @@ def test_model_on_the_triton_kernels():
         )
         assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-10000:] + result.stderr
         return
-    config = CASES["qwen2-bias-gqa3-tied"].__class__.from_dict(CASES["qwen2-bias-gqa3-tied"].to_dict())
+    config = CASES[case].__class__.from_dict(CASES[case].to_dict())
     config.num_hidden_layers = 1
     hf = random_hf_model(_with_arch(config))
     ours = build_model(hf.config, torch.float32, "cpu", backend_on_cpu("triton"))
@@ -274,7 +288,13 @@ def test_tiny_bias_layout():
 
 
 def _with_arch(config):
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    names = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }
     config.architectures = [names[config.model_type]]
     return config
 
