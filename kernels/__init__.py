@@ -17,10 +17,12 @@ KERNELS = (
     "fused_add_rms_norm",
     "apply_rotary",
     "silu_and_mul",
+    "fused_moe",
 )
 
 try:
     from .apply_rotary import apply_rotary
+    from .fused_moe import fused_moe
     from .paged_attention_decode import paged_attention_decode
     from .paged_attention_prefill import paged_attention_prefill
     from .rms_norm import fused_add_rms_norm, rms_norm
@@ -43,6 +45,7 @@ __all__ = [
     "KERNELS",
     "apply_rotary",
     "fused_add_rms_norm",
+    "fused_moe",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reference",

@@ -4,7 +4,8 @@ Decode attention is most of a CPU decode step, and the reference spends it gathe
 blocks into a padded batch; ``kernels/csrc/paged_attention_cpu.cpp`` reads the blocks in place instead. The
 norms, SiLU-and-mul and rotary embedding (``kernels/csrc/elementwise_cpu.cpp``) are one pass each instead of
 five to ten ATen ops, which at decode batch sizes cost more than their arithmetic. Prefill attention and
-the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are already good).
+the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are already good). The
+mixture-of-experts MLP is a grouped torch path (``fused_moe`` below), not the reference's loop.
 
 The C++ is compiled on first use with torch's JIT extension builder (a C++ compiler and ninja are
 needed; the build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from . import reference
 from .reference import paged_attention_prefill, store_kv_cache
@@ -28,6 +30,7 @@ from .reference import paged_attention_prefill, store_kv_cache
 __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
+    "fused_moe",
     "load_extension",
     "paged_attention_decode",
     "paged_attention_prefill",
@@ -125,3 +128,34 @@ def apply_rotary(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ops = _native(x)
     return reference.silu_and_mul(x) if ops is None else ops.silu_and_mul(x)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as ``reference.fused_moe``, grouped: the (token, slot) pairs are sorted by expert
+    once and their rows gathered once, and the counts are read on the host once, so each expert that
+    got tokens runs its two matmuls on a contiguous slice; experts with none cost nothing. The reference
+    instead scans ``topk_ids`` and gathers rows per expert (``E`` scans and host reads per layer), which
+    dominates at decode batch sizes with many experts (benchmarks/moe_layer.py)."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    rows = hidden.index_select(0, tokens)
+    expert_out = torch.empty((rows.shape[0], w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            block = rows[start:start + count]
+            gate_up = F.linear(block, w13[expert])
+            expert_out[start:start + count] = F.linear(silu_and_mul(gate_up), w2[expert])
+        start += count
+    weighted = expert_out.float() * topk_weights.reshape(-1)[order, None].float()
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, weighted).to(hidden.dtype)

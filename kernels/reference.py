@@ -245,3 +245,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# --- mixture of experts (kernels/fused_moe.py is the Triton version) -----------------------------------
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Each token through its top-k experts' SwiGLU MLPs, weighted and summed: ``[T, H]``.
+
+    hidden ``[T, H]``; w13 ``[E, 2I, H]``, every expert's gate rows then its up rows; w2 ``[E, H, I]``;
+    topk_weights ``[T, k]`` (any float dtype); topk_ids ``[T, k]`` (any integer dtype). The plain loop over
+    experts, as HF Transformers' ``MixtralExperts`` runs it: one gather, two matmuls and one weighted
+    scatter-add per expert that got tokens. Sums accumulate in float32.
+    """
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel() == 0:
+            continue
+        expert_out = F.linear(silu_and_mul(F.linear(hidden[token], w13[expert])), w2[expert])
+        out.index_add_(0, token, expert_out.float() * topk_weights[token, slot, None].float())
+    return out.to(hidden.dtype)

@@ -1,4 +1,5 @@
-"""Random paged-KV-cache scenarios shared by the kernel tests (CPU interpreter and GPU) and benchmarks."""
+"""Random scenarios shared by the kernel tests (CPU interpreter and GPU) and benchmarks: paged KV caches, and
+mixture-of-experts routing."""
 
 from __future__ import annotations
 
@@ -100,4 +101,46 @@ def hide_blocks_outside_window(
         q_decode=case.q_decode,
         q_prefill=case.q_prefill,
         cu_seqlens_q=case.cu_seqlens_q,
+    )
+
+
+@dataclass
+class MoECase:
+    hidden: torch.Tensor  # [T, H]
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    topk_weights: torch.Tensor  # float32 [T, k], each row summing to 1
+    topk_ids: torch.Tensor  # int64 [T, k], distinct experts per token
+    idle_experts: list[int]  # experts no token is routed to
+
+
+def make_moe_case(
+    num_tokens: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    num_idle: int = 1,
+    seed: int = 0,
+) -> MoECase:
+    """Random weights and random top-k routing that never picks the last ``num_idle`` experts (so some
+    expert gets no tokens whatever ``num_tokens`` is); weights scaled to keep activations O(1)."""
+    assert top_k <= num_experts - num_idle
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    scores[:, num_experts - num_idle:] = -1.0
+    top_scores, topk_ids = scores.topk(top_k, dim=-1)
+    return MoECase(
+        hidden=rand(num_tokens, hidden_size),
+        w13=rand(num_experts, 2 * intermediate_size, hidden_size, scale=hidden_size**-0.5),
+        w2=rand(num_experts, hidden_size, intermediate_size, scale=intermediate_size**-0.5),
+        topk_weights=(top_scores / top_scores.sum(-1, keepdim=True)).to(device),
+        topk_ids=topk_ids.to(device),
+        idle_experts=list(range(num_experts - num_idle, num_experts)),
     )

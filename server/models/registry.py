@@ -14,15 +14,18 @@ from pagedserve.server.models.causal_lm import DecoderForCausalLM
 from pagedserve.server.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedserve.server.models.granite import GraniteForCausalLM
 from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.server.models.mixtral import MixtralForCausalLM
 from pagedserve.server.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.server.models.phi3 import Phi3ForCausalLM
 from pagedserve.server.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.server.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.server.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from torch import nn
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1-3, SmolLM, and most Llama-architecture fine-tunes
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
@@ -30,6 +33,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
