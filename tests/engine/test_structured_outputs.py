@@ -187,53 +187,39 @@ def test_regex_and_choice_always_match(llm: LLM) -> None:
             assert text_of(output) in choices
 
 
-def test_json_object_grammar_and_structural_tag(llm: LLM) -> None:
-    tag = {
-        "type": "structural_tag",
-        "triggers": ["<fn="],
-        "structures": [
-            {
-                "begin": "<fn=get_time>",
-                "schema": {
-                    "type": "object",
-                    "properties": {"tz": {"enum": ["UTC", "CET"]}},
-                    "required": ["tz"],
-                    "additionalProperties": False,
-                },
-                "end": "</fn>",
-            }
-        ],
-    }
+def test_json_object_and_grammars(llm: LLM) -> None:
     specs = [
         constrained(json_object=True),
         constrained(grammar='root ::= "The answer is " [0-9]+ "."'),  # GBNF
         constrained(grammar='start: "Call " NAME "()"\nNAME: /[a-z_]{1,12}/'),  # Lark
-        constrained(structural_tag=json.dumps(tag)),
     ]
-    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s) for s in specs[:3]]
-    # Free text, tagged calls, free text...: end it after the first call.
-    params.append(
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=60,
-            structured_outputs=specs[3],
-            stop=["</fn>"],
-            include_stop_str_in_output=True,
-        )
-    )
-    prompts = [
-        PROMPT,
-        "Question: what is 6 times 7?",
-        "Which function prints?",
-        "Use <fn=get_time>{...}</fn> to get the time. What time is it in Paris?",
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s) for s in specs]
+    prompts = [PROMPT, "Question: what is 6 times 7?", "Which function prints?"]
     outputs = llm.generate(prompts, params)
     assert isinstance(json.loads(text_of(outputs[0])), dict)
     assert re.fullmatch(r"The answer is [0-9]+\.", text_of(outputs[1]))
     assert re.fullmatch(r"Call [a-z_]{1,12}\(\)", text_of(outputs[2]))
-    tagged = re.search(r"<fn=get_time>(.*)</fn>", text_of(outputs[3]), re.S)
-    if tagged:  # free text may come first; a call, when made, is the schema's
-        assert json.loads(tagged.group(1))["tz"] in ("UTC", "CET")
+
+
+def test_a_structural_tag_constrains_what_follows_its_trigger(llm: LLM) -> None:
+    """Free text until the trigger, then the tag's schema up to its end (the embedded model seldom
+    writes the trigger itself, so the matcher is fed texts here)."""
+    schema = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}
+    tag = {
+        "type": "structural_tag",
+        "triggers": ["<fn="],
+        "structures": [{"begin": "<fn=get_time>", "schema": schema, "end": "</fn>"}],
+    }
+    grammar = llm.engine.processor.grammar_compiler.compile(constrained(structural_tag=json.dumps(tag)))
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        state = grammar.new_state()
+        return all(state.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('Let me check. <fn=get_time>{"tz": "UTC"}</fn> Done.')
+    assert not accepts('Let me check. <fn=get_time>{"tz": "PST"}</fn>')
+    assert not accepts("Let me check. <fn=get_time>not json")
 
 
 BAD_SPECS = [
