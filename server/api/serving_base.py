@@ -27,7 +27,12 @@ from pagedserve.server.api.disconnect import ClientDisconnected, run_unless_disc
 from pagedserve.server.api.errors import APIError, error_body
 from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
-from pagedserve.server.api.protocol import ChatCompletionMessageParam, ChatTemplateFields, StreamOptions
+from pagedserve.server.api.protocol import (
+    ChatCompletionMessageParam,
+    ChatTemplateFields,
+    StreamOptions,
+    structured_outputs_params,
+)
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
@@ -38,8 +43,9 @@ from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
-# Shapes one delta of one choice into a chunk's choice: (index of the prompt, its output, the delta).
-ChoiceShaper = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any]]
+# Shapes one delta of one choice into a chunk's choice: (index of the prompt, its output, the delta);
+# None: nothing to send for this delta (a tool-call parser holds its text back).
+ChoiceShaper = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any] | None]
 
 
 @dataclass
@@ -221,7 +227,9 @@ class OpenAIServing:
             prompt = await self.templates.render_async(
                 conversation,
                 request_template=request_template(request.chat_template, kwargs),
-                tools=request.tools,
+                tools=[tool.model_dump(exclude_unset=True, by_alias=True) for tool in request.tools]
+                if request.tools
+                else None,
                 documents=request.documents,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -281,7 +289,7 @@ class OpenAIServing:
                     "logit_bias keys must be token ids (integers).", 400, param="logit_bias"
                 ) from exc
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**kwargs, structured_outputs=structured_outputs_params(request))
         except InvalidRequestError as exc:
             raise self.invalid_request(exc, "prompt") from exc
 
@@ -405,7 +413,8 @@ class OpenAIServing:
                 cached_tokens[p_index] = output.num_cached_tokens
                 completion_tokens += sum(len(o.token_ids) for o in output.outputs)
                 for delta in output.outputs:
-                    yield chunk([shape(p_index, output, delta)])
+                    if (choice := shape(p_index, output, delta)) is not None:
+                        yield chunk([choice])
             if include_usage:
                 usage = usage_dict(num_prompt_tokens, completion_tokens, sum(cached_tokens))
                 yield sse({**base, "choices": [], "usage": usage})

@@ -1,0 +1,48 @@
+"""The replies that the grammar forces (server/api/protocol.py ``tool_calls_schema``): with
+``tool_choice: "required"`` a JSON array of ``{"name", "parameters"}`` objects; with a named function
+that function's arguments object alone."""
+
+from __future__ import annotations
+
+from pagedserve.server.api.tool_parsers.base import ParsedOutput, ToolParser
+from pagedserve.server.api.tool_parsers.partial_json import (
+    PartialCall,
+    scan_call,
+    skip_whitespace,
+    value_text,
+)
+
+
+class RequiredToolParser(ToolParser):
+    name = "required"
+
+    def parse(self, text: str) -> ParsedOutput:
+        pos = skip_whitespace(text, 0)
+        if not text.startswith("[", pos):
+            return ParsedOutput()
+        calls = []
+        pos += 1
+        while True:
+            call, end = scan_call(text, pos, ("parameters",))
+            if call.name is None and call.arguments == "" and end is None:
+                break  # nothing of this call yet
+            calls.append(call)
+            if end is None:
+                break
+            pos = skip_whitespace(text, end)
+            if not text.startswith(",", pos):
+                break
+            pos += 1
+        return ParsedOutput(calls=calls)
+
+
+class NamedToolParser(ToolParser):
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def parse(self, text: str) -> ParsedOutput:
+        pos = skip_whitespace(text, 0)
+        arguments, end = value_text(text, pos)
+        return ParsedOutput(calls=[PartialCall(self.function, arguments, end is not None)])
