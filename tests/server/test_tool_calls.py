@@ -10,6 +10,7 @@ schema they send, and against the real model in test_tool_calls_server.py.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +25,8 @@ from pagedserve.server.api.tool_parsers.base import ToolParser
 from pagedserve.server.api.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from pagedserve.server.api.tool_parsers.stream import ToolCallStream, whole_reply
 from pagedserve.server.sampling_params import SamplingParams
+
+from pagedserve.testing.processes import pagedserve_argv
 
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER_PARAMS = {
@@ -384,3 +387,19 @@ async def test_tools_and_tool_messages_render_through_the_template(engine: FakeE
     assert text.startswith(f"[tool get_weather {json.dumps(WEATHER_PARAMS)}]")
     assert "<assistant>{call get_weather Paris}" in text
     assert "<tool>(call_1)sunny" in text
+
+
+def test_serve_help_documents_the_tool_flags() -> None:
+    done = subprocess.run(pagedserve_argv("serve", "--help"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    help_text = " ".join(done.stdout.split())
+    assert "--enable-auto-tool-choice" in help_text
+    assert "--tool-call-parser {hermes,llama3_json}" in help_text
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_at_start() -> None:
+    done = subprocess.run(
+        pagedserve_argv("serve", "--enable-auto-tool-choice"), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in done.stderr + done.stdout
