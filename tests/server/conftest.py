@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from api_fakes import FakeEngine
+from pagedserve.server.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -13,3 +15,17 @@ async def engine() -> AsyncIterator[FakeEngine]:
     engine = FakeEngine()
     yield engine
     await engine.shutdown(grace_seconds=0)
+
+
+@pytest.fixture
+def sent(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
+    """The SamplingParams of every request the server hands the engine."""
+    params: list[SamplingParams] = []
+    add_request = engine.add_request
+
+    async def recording(request_id: str, prompt: Any, sampling: SamplingParams) -> Any:
+        params.append(sampling)
+        return await add_request(request_id, prompt, sampling)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    return params

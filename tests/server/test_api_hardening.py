@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import FakeEngine, app_client
+from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.server.api.auth import OPEN_PATHS
 from pagedserve.server.api.chat_template import TemplateLimits
 from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS
@@ -22,14 +22,6 @@ MSGS = [{"role": "user", "content": "hi"}]
 # Two nested loops of 15,000: seconds of pure-Python work in Jinja (issue 14 measured 7.4 s).
 TRUSTED = {"trust_request_chat_template": True}
 SLOW_TEMPLATE = "{% for i in range(15000) %}{% for j in range(15000) %}{% endfor %}{% endfor %}"
-
-
-def assert_400(response: httpx.Response, param: str) -> str:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param, error
-    assert error["type"] == "invalid_request_error"
-    return error["message"]
 
 
 async def post_raw(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:

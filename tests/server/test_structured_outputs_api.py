@@ -16,12 +16,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
-from api_fakes import FakeEngine, app_client
+from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.server.api.protocol import GRAMMAR_BACKEND
 from pagedserve.server.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -35,28 +34,6 @@ PERSON = {
 }
 GRAMMAR = 'root ::= "yes" | "no"'
 TAG = '{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'
-
-
-@pytest.fixture
-def sent(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
-    """The SamplingParams of every request the server hands the engine."""
-    params: list[SamplingParams] = []
-    add_request = engine.add_request
-
-    async def recording(request_id: str, prompt: Any, sampling: SamplingParams) -> Any:
-        params.append(sampling)
-        return await add_request(request_id, prompt, sampling)
-
-    monkeypatch.setattr(engine, "add_request", recording)
-    return params
-
-
-def assert_400(response: httpx.Response, param: str) -> str:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param, error
-    assert error["type"] == "invalid_request_error"
-    return error["message"]
 
 
 FORMS: list[tuple[dict[str, Any], StructuredOutputsParams]] = [

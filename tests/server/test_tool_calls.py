@@ -19,7 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from api_fakes import FakeEngine, app_client
+from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 from pagedserve.server.api.tool_parsers.base import ToolParser
 from pagedserve.server.api.tool_parsers.forced import NamedToolParser, RequiredToolParser
@@ -64,30 +64,10 @@ async def engine() -> AsyncIterator[FakeEngine]:
     await engine.shutdown(grace_seconds=0)
 
 
-@pytest.fixture
-def sent(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
-    params: list[SamplingParams] = []
-    add_request = engine.add_request
-
-    async def recording(request_id: str, prompt: Any, sampling: SamplingParams) -> Any:
-        params.append(sampling)
-        return await add_request(request_id, prompt, sampling)
-
-    monkeypatch.setattr(engine, "add_request", recording)
-    return params
-
-
 def scripted(monkeypatch: pytest.MonkeyPatch, reply: str) -> dict[str, Any]:
     """The fake model replies ``reply`` (ASCII), then stops: the request fields that make it stop there."""
     monkeypatch.setattr(api_fakes, "SCRIPT", reply + "\x00")
     return {"max_tokens": len(reply) + 5, "stop": ["\x00"]}
-
-
-def assert_400(response: httpx.Response, param: str) -> str:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param, error
-    return error["message"]
 
 
 def openai_client(client: httpx.AsyncClient) -> openai.AsyncOpenAI:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pagedserve.server.api.tool_parsers.base import ParsedOutput, ToolParser
 from pagedserve.server.api.tool_parsers.partial_json import (
     PartialCall,
-    scan_call,
+    scan_calls,
     skip_whitespace,
     value_text,
 )
@@ -20,20 +20,7 @@ class RequiredToolParser(ToolParser):
         pos = skip_whitespace(text, 0)
         if not text.startswith("[", pos):
             return ParsedOutput()
-        calls = []
-        pos += 1
-        while True:
-            call, end = scan_call(text, pos, ("parameters",))
-            if call.name is None and call.arguments == "" and end is None:
-                break  # nothing of this call yet
-            calls.append(call)
-            if end is None:
-                break
-            pos = skip_whitespace(text, end)
-            if not text.startswith(",", pos):
-                break
-            pos += 1
-        return ParsedOutput(calls=calls)
+        return ParsedOutput(calls=scan_calls(text, pos + 1, ",", ("parameters",)))
 
 
 class NamedToolParser(ToolParser):

@@ -6,7 +6,7 @@ at the start, so a streamed reply and a whole one agree)."""
 from __future__ import annotations
 
 from pagedserve.server.api.tool_parsers.base import ParsedOutput, ToolParser
-from pagedserve.server.api.tool_parsers.partial_json import scan_call, skip_whitespace
+from pagedserve.server.api.tool_parsers.partial_json import scan_calls, skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -23,14 +23,4 @@ class Llama3JsonToolParser(ToolParser):
             pos = skip_whitespace(text, pos + len(PYTHON_TAG))
         elif not rest.startswith("{"):
             return ParsedOutput(content=text)
-        calls = []
-        while pos < len(text):
-            call, end = scan_call(text, pos, ("parameters", "arguments"))
-            calls.append(call)
-            if end is None:
-                break
-            pos = skip_whitespace(text, end)
-            if not text.startswith(";", pos):
-                break
-            pos += 1
-        return ParsedOutput(calls=calls)
+        return ParsedOutput(calls=scan_calls(text, pos, ";", ("parameters", "arguments")))

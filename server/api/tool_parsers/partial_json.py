@@ -76,3 +76,18 @@ def scan_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[Part
         pos = skip_whitespace(text, end)
         if text.startswith(",", pos):
             pos += 1
+
+
+def scan_calls(text: str, pos: int, separator: str, argument_keys: tuple[str, ...]) -> list[PartialCall]:
+    """The call objects from ``pos`` on, separated by ``separator``, up to the first incomplete one."""
+    calls = []
+    while (pos := skip_whitespace(text, pos)) < len(text):
+        call, end = scan_call(text, pos, argument_keys)
+        calls.append(call)
+        if end is None:
+            break
+        pos = skip_whitespace(text, end)
+        if not text.startswith(separator, pos):
+            break
+        pos += len(separator)
+    return calls
