@@ -227,7 +227,7 @@ class OpenAIServing:
             prompt = await self.templates.render_async(
                 conversation,
                 request_template=request_template(request.chat_template, kwargs),
-                tools=[tool.model_dump(exclude_unset=True, by_alias=True) for tool in request.tools]
+                tools=[tool.model_dump(exclude_none=True) for tool in request.tools]
                 if request.tools
                 else None,
                 documents=request.documents,
