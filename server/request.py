@@ -15,6 +15,7 @@ from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    from pagedserve.server.structured_output.matcher import GrammarState
     from pagedserve.server.worker.sampler import SampledToken
 
 
@@ -55,6 +56,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None  # the stop_token_id that finished it
     generator: torch.Generator | None = None  # made by the core, on its device
+    # params.structured_outputs' matcher, this sample's own (server/structured_output/matcher.py)
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,10 +1,10 @@
 """The engine core: schedule, run the model, sample. Token ids in, token ids out; no tokenizer here.
 
 One ``step()`` schedules a batch, runs one forward pass, appends the sampled tokens and applies the
-stops that are decided on token ids (EOS, stop_token_ids, max_tokens, max_model_len), then frees the
-blocks of finished requests. What each request gained comes back as an ``EngineCoreOutput``; text,
-stop strings and logprob strings are made from those by server/engine/output_processor.py, off the
-step thread (vLLM V1's EngineCore / front-end split).
+stops that are decided on token ids (EOS, stop_token_ids, a finished grammar, max_tokens, max_model_len),
+then frees the blocks of finished requests. What each request gained comes back as an
+``EngineCoreOutput``; text, stop strings and logprob strings are made from those by
+server/engine/output_processor.py, off the step thread (vLLM V1's EngineCore / front-end split).
 """
 
 from __future__ import annotations
@@ -176,6 +176,10 @@ class EngineCore:
             if isinstance(token, Exception):  # its row alone failed (server/worker/sampler.py sample_each)
                 failed[request.request_id] = token
                 continue
+            if request.grammar is not None and not request.grammar.accept(token.token_id):
+                failed[request.request_id] = RuntimeError(
+                    f"the grammar refused token {token.token_id}: {request.grammar.error}")
+                continue
             self._append_token(request, token, now)
             if request.finished:
                 self.scheduler.finish(request, request.status)
@@ -210,6 +214,12 @@ class EngineCore:
         return StepError(request_ids, exc)
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
+        """Append a token (the grammar, if any, took it already) and apply the stops on token ids.
+
+        A complete grammar admits only EOS; taking it ends the request with "stop", even with
+        ignore_eos. max_tokens reached before that ends it with "length", its structured output cut
+        mid-way (a JSON text then does not parse).
+        """
         if request.num_output_tokens == 0:
             request.metrics.first_token_time = now
             self.prompt_tokens += request.num_prompt_tokens
@@ -221,6 +231,8 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_STOPPED
             if token_id in request.params.stop_token_ids:
                 request.stop_reason = token_id
+        elif request.grammar is not None and request.grammar.finished:
+            request.status = RequestStatus.FINISHED_STOPPED
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= (
             self.config.max_model_len or 0
         ):

@@ -1,9 +1,11 @@
 """Every check a request passes before it runs, in one place (vLLM's Processor).
 
 ``Processor.process`` tokenizes the prompt input, checks it against the model (empty prompt, token ids
-in the vocabulary, length vs max_model_len, n vs max_num_seqs), resolves max_tokens by vLLM's rule
-and makes one core Request per sample. A refusal is an ``InvalidRequestError`` naming the field: the
-offline LLM lets it raise, the server turns it into an OpenAI 400 (server/api/serving_base.py).
+in the vocabulary, length vs max_model_len, n vs max_num_seqs), resolves max_tokens by vLLM's rule,
+compiles ``structured_outputs`` (server/structured_output/compiler.py: cached, bounded in time) and
+makes one core Request per sample, each with its own grammar matcher. A refusal is an
+``InvalidRequestError`` naming the field: the offline LLM lets it raise, the server turns it into an
+OpenAI 400 (server/api/serving_base.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedserve.server.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig
     from pagedserve.server.engine.core import EngineCore
+    from pagedserve.server.structured_output.compiler import CompiledGrammar, GrammarCompiler
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -57,6 +60,16 @@ class Processor:
         # The model's sampling defaults (server/loader/generation_config.py): for fields a request leaves
         # unset, applied where requests are made (server/api/serving_base.py, server/llm.py) and here.
         self.generation_defaults = dict(generation_defaults or {})
+        self._grammar_compiler: GrammarCompiler | None = None
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Made on the first structured request: an engine that never sees one never loads llguidance."""
+        if self._grammar_compiler is None:
+            from pagedserve.server.structured_output.compiler import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
 
     def default_sampling_params(self) -> SamplingParams:
         """What a caller that gives no SamplingParams gets (vLLM's ``LLM.get_default_sampling_params``)."""
@@ -80,6 +93,7 @@ class Processor:
             raise InvalidRequestError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}.", param="n"
             )
+        grammar = self._compile_grammar(params)
         arrival = arrival_time if arrival_time is not None else time.time()
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         children = [
@@ -95,10 +109,17 @@ class Processor:
                 cache_salt=cache_salt,
                 # The request's prompt logprobs are computed once, by its first sample.
                 prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
+                grammar=grammar.new_state() if grammar is not None else None,
             )
             for index in range(params.n)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, max_tokens, children)
+
+    def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's grammar, compiled once for all its samples; refusals name the field."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_compiler.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -3,7 +3,8 @@
 Decodes (one new token each) come first, then prefill chunks, as ``AttentionMetadata`` expects. Only
 requests whose chunk reaches their last known token are sampled; a partial prompt chunk just fills
 its blocks, and gives its positions' prompt logprobs to a request that asked for them
-(server/worker/prompt_logprobs.py appends those to ``Request.prompt_logprobs``).
+(server/worker/prompt_logprobs.py appends those to ``Request.prompt_logprobs``). The grammar bitmask of
+the sampled requests is filled once the forward pass is launched (server/structured_output/bitmask.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pagedserve.server.backend import Backend
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.request import Request
+from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
 from pagedserve.server.worker.prompt_logprobs import (
     PromptLogprobRows,
@@ -82,12 +84,17 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        # After the launch: on a GPU the matchers' CPU work overlaps the forward pass.
+        grammar = fill_grammar_bitmask(inputs.sampled_requests)
+        if grammar is not None:
+            grammar.bits = self._to_device(grammar.bits)
         for rows in inputs.prompt_logprob_rows:
             record_prompt_logprobs(self.model, hidden, rows)
         if not inputs.sampled_requests:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        return list(zip(inputs.sampled_requests, sample_each(logits, inputs.sampled_requests), strict=True))
+        sampled = sample_each(logits, inputs.sampled_requests, grammar)
+        return list(zip(inputs.sampled_requests, sampled, strict=True))
 
     def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]

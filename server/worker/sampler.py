@@ -1,9 +1,11 @@
 """Turns one step's logits into next tokens, vectorised over the batch.
 
-Order, as in vLLM V1's sampler (vllm/v1/sample/sampler.py): logprobs come from the raw logits; then
-allowed_token_ids, bad_words, min_tokens masking, logit bias and the presence / frequency / repetition
-penalties; greedy rows take the argmax, the others are scaled by temperature, filtered by min-p, then
-top-k and top-p, and sampled with per-request generators.
+Order, as in vLLM V1 (vllm/v1/sample/sampler.py, after the model runner's grammar bitmask): first the
+structured-output bitmask (server/structured_output/bitmask.py), so a grammar's refused tokens are gone
+even from the logprobs; logprobs come from those logits; then allowed_token_ids, bad_words, min_tokens
+masking (which never leaves a row nothing: a grammar that can only end keeps its EOS), logit bias and
+the presence / frequency / repetition penalties; greedy rows take the argmax, the others are scaled by
+temperature, filtered by min-p, then top-k and top-p, and sampled with per-request generators.
 
 Every tensor made here lives on ``logits.device`` and nothing reads a tensor back to the host before
 ``SamplerOutput.to_host``: on a GPU a host tensor in an op raises, and a read-back stalls the step
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from pagedserve.server.request import Request
+from pagedserve.server.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -69,12 +72,15 @@ class SamplerOutput:
         return results
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-    """``logits`` ``[len(requests), vocab]``, one row per request that needs a new token."""
-    return sample_on_device(logits, requests).to_host(requests)
+def sample(logits: torch.Tensor, requests: list[Request],
+           grammar: GrammarBitmask | None = None) -> list[SampledToken]:
+    """``logits`` ``[len(requests), vocab]``, one row per request that needs a new token; ``grammar``: the
+    bitmask of the rows with a grammar, on ``logits.device``."""
+    return sample_on_device(logits, requests, grammar).to_host(requests)
 
 
-def sample_each(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken | Exception]:
+def sample_each(logits: torch.Tensor, requests: list[Request],
+                grammar: GrammarBitmask | None = None) -> list[SampledToken | Exception]:
     """``sample``, but a row that cannot be sampled fails its own request, never the batch.
 
     Requests are checked before they run (server/engine/processor.py), yet a row can still fail in ways
@@ -84,7 +90,7 @@ def sample_each(logits: torch.Tensor, requests: list[Request]) -> list[SampledTo
     """
     states = [r.generator.get_state() if r.generator is not None else None for r in requests]
     try:
-        return list(sample(logits, requests))
+        return list(sample(logits, requests, grammar))
     except Exception:
         logger.exception("sampling a batch of %d failed; sampling each request alone", len(requests))
     results: list[SampledToken | Exception] = []
@@ -92,19 +98,20 @@ def sample_each(logits: torch.Tensor, requests: list[Request]) -> list[SampledTo
         if request.generator is not None and state is not None:
             request.generator.set_state(state)
         try:
-            results.extend(sample(logits[row:row + 1], [request]))
+            results.extend(sample(logits[row:row + 1], [request], grammar and grammar.select(row)))
         except Exception as exc:  # this request's row: it fails alone
             logger.exception("sampling request %s failed", request.request_id)
             results.append(exc)
     return results
 
 
-def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    logits = logits.float()
+def sample_on_device(logits: torch.Tensor, requests: list[Request],
+                     grammar: GrammarBitmask | None = None) -> SamplerOutput:
+    logits = apply_grammar_bitmask(logits.float(), grammar)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if _any_logprobs(requests) else None
     logits = _apply_allowed_token_ids(logits, requests)
     logits = _mask(logits, _bad_word_bans(requests))
-    logits = _mask(logits, _stop_tokens_before_min(requests))
+    logits = _apply_min_tokens(logits, requests)
     logits = _apply_logit_bias(logits, requests)
     logits = _apply_penalties(logits, requests)
     token_ids = _choose(logits, requests)
@@ -154,6 +161,16 @@ def _bad_word_bans(requests: list[Request]) -> tuple[list[int], list[int]]:
                 rows.append(row)
                 cols.append(word[-1])
     return rows, cols
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Stop tokens banned before min_tokens, except in a row where nothing else was left (a grammar that
+    admits only EOS ends, min_tokens or not)."""
+    banned = _mask(logits, _stop_tokens_before_min(requests))
+    if banned is logits:
+        return logits
+    emptied = (banned == float("-inf")).all(dim=-1, keepdim=True)
+    return torch.where(emptied, logits, banned)
 
 
 def _stop_tokens_before_min(requests: list[Request]) -> tuple[list[int], list[int]]:

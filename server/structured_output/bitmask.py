@@ -1,0 +1,72 @@
+"""The step's token bitmask: one row of bits per sampled request that has a grammar (bit set = allowed).
+
+server/worker/model_runner.py fills it right after launching the forward pass: on a GPU the pass runs
+asynchronously, so the matchers' work on the CPU overlaps it; on the CPU backend the pass is synchronous
+and the fill simply follows it. server/worker/sampler.py applies it before anything else (vLLM V1 applies
+its grammar bitmask to the logits before the sampler), so logprobs, penalties and sampling all see the
+masked logits. Rows without a grammar are neither filled nor touched.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedserve.server.request import Request
+
+BITS = 32
+
+
+@dataclass
+class GrammarBitmask:
+    rows: list[int]  # the batch rows that have a grammar, ascending
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, bit t % 32 of word t // 32 allows token t
+
+    def select(self, row: int) -> GrammarBitmask | None:
+        """This one batch row's mask, as row 0 (the sampler samples a failing batch row by row)."""
+        if row not in self.rows:
+            return None
+        position = self.rows.index(row)
+        return GrammarBitmask([0], self.bits[position:position + 1])
+
+
+def fill_grammar_bitmask(requests: list[Request]) -> GrammarBitmask | None:
+    """The masks of the requests that have a grammar, computed by llguidance's thread pool (no GIL)."""
+    rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+    if not rows:
+        return None
+    states = [requests[row].grammar for row in rows]
+    words = (states[0].vocab_size + BITS - 1) // BITS
+    bits = torch.empty((len(rows), words), dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr(
+        [(state.matcher, index) for index, state in enumerate(states)], bits.data_ptr(), words * 4, len(rows)
+    )
+    return GrammarBitmask(rows, bits)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask | None) -> torch.Tensor:
+    """``logits`` with every token a row's grammar refuses at -inf; ``mask.bits`` on ``logits.device``."""
+    if mask is None:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    shifts = torch.arange(BITS, dtype=torch.int32, device=device)
+    allowed = ((mask.bits.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never text
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab]
+    if len(mask.rows) == logits.shape[0]:
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = torch.tensor(mask.rows, dtype=torch.long, device=device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked)
+
+
+@functools.cache
+def _executor() -> Any:
+    import llguidance
+
+    return llguidance.LLExecutor()
