@@ -35,8 +35,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 _LONG_MIN = -(2**63)
 _LONG_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
-# The grammar engine's name (server/structured_output/): the one guided_decoding_backend accepted.
-GRAMMAR_BACKEND = "xgrammar"
+# vLLM's name for llguidance, the grammar engine (server/structured_output/): the one
+# guided_decoding_backend accepted.
+GRAMMAR_BACKEND = "guidance"
 
 
 # vLLM request fields this server does not implement, and why: each one is a 400 that names it.

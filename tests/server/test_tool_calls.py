@@ -316,7 +316,7 @@ async def test_llama3_json_parser_flag(engine: FakeEngine, monkeypatch: pytest.M
 
 
 async def test_forced_reply_is_calls_with_null_content(
-    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+    engine: FakeEngine, sent: list[SamplingParams], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The grammar makes the model write these replies (test_tool_calls_server.py): here, scripted."""
     named = {"type": "function", "function": {"name": "get_weather"}}
