@@ -441,7 +441,9 @@ def _constraint_forms(
     if isinstance(request, ChatCompletionRequest):
         schema = tool_calls_schema(request)
         if schema is not None:
-            forms.append(("tool_choice", StructuredOutputsParams(json=schema)))
+            # Calls are written compactly, as OpenAI writes them: free whitespace is room for a small model
+            # to pad a finished call until max_tokens.
+            forms.append(("tool_choice", StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
     return forms
 
 

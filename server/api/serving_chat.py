@@ -55,8 +55,11 @@ class OpenAIServingChat(OpenAIServing):
         (engine_stream,) = await self.add_requests([prompt], params, "messages", request.cache_salt)
 
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
+        # As OpenAI streams: content "" opens a text reply, null one that may be tool calls (the stream
+        # helpers then leave content null when only calls follow).
+        content = "" if tool_parser is None else None
         opening = [
-            {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": ROLE, "content": content}, "logprobs": None, "finish_reason": None}
             for i in range(request.n)
         ]
         form = ResponseForm(

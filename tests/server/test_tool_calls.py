@@ -176,6 +176,7 @@ async def test_required_sends_vllms_array_schema(engine: FakeEngine, sent: list[
                 body["parallel_tool_calls"] = parallel
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     schema, single = (p.structured_outputs.json for p in sent)  # type: ignore[union-attr]
+    assert all(p.structured_outputs.disable_any_whitespace for p in sent)  # type: ignore[union-attr]
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     assert single["maxItems"] == 1
     assert schema["$defs"] == TIME_PARAMS["$defs"]  # hoisted to the root, where #/$defs/zone points

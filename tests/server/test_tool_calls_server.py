@@ -26,6 +26,8 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 240
 MAX_TOKENS = 300
 
+# Closed objects, as OpenAI's strict function calling writes them: in an open one (JSON Schema's default)
+# the grammar lets the 135M model add arguments of its own until max_tokens cuts the call.
 FUNCTIONS: dict[str, dict[str, Any]] = {
     "get_weather": {
         "type": "object",
@@ -40,6 +42,7 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {"zone": {"$ref": "#/$defs/zone"}},
         "required": ["zone"],
+        "additionalProperties": False,
         "$defs": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,10}/[A-Z][a-z]{2,10}$"}},
     },
     "add": {
@@ -49,6 +52,7 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
             "b": {"type": "integer", "minimum": -100, "maximum": 100},
         },
         "required": ["a", "b"],
+        "additionalProperties": False,
     },
     "search": {
         "type": "object",
@@ -58,6 +62,7 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
             "filters": {"type": "array", "items": {"enum": ["news", "images"]}, "maxItems": 2},
         },
         "required": ["query"],
+        "additionalProperties": False,
     },
 }
 TOOLS = [
@@ -110,39 +115,33 @@ async def forced(oai: openai.AsyncOpenAI, question: str, tool_choice: Any, strea
     if not stream:
         choice = (await oai.chat.completions.create(**kwargs)).choices[0]
         return choice.message, choice.finish_reason
-    async with oai.chat.completions.stream(**kwargs) as events:
-        async for _ in events:
-            pass
-        choice = (await events.get_final_completion()).choices[0]
+    try:
+        async with oai.chat.completions.stream(**kwargs) as events:
+            async for _ in events:
+                pass
+            choice = (await events.get_final_completion()).choices[0]
+    except openai.LengthFinishReasonError as exc:  # the helper refuses a cut reply: show what it was
+        choice = exc.completion.choices[0]
     return choice.message, choice.finish_reason
 
 
 async def test_required_and_named_calls_always_validate(server: ServerProcess) -> None:
+    """Without parallel calls "required" is one call (maxItems 1): with them the 135M model may call
+    again and again until max_tokens cuts the array (the schema bounds each call, not their number)."""
     oai = client(server)
     named = [{"type": "function", "function": {"name": name}} for name in FUNCTIONS]
     jobs = [
         (q, choice, stream) for q in QUESTIONS for choice in ["required", *named] for stream in (False, True)
     ]
-    replies = await asyncio.gather(*(forced(oai, q, choice, stream, seed=i) for i, (q, choice, stream) in
-                                     enumerate(jobs)))  # fmt: skip
+    replies = await asyncio.gather(*(forced(oai, q, choice, stream, seed=i, parallel_tool_calls=False)
+                                     for i, (q, choice, stream) in enumerate(jobs)))  # fmt: skip
     for (question, choice, stream), (message, finish) in zip(jobs, replies, strict=True):
         where = (question, choice, stream, message)
         assert finish == "tool_calls", where
         assert message.content is None, where
         allowed = set(FUNCTIONS) if choice == "required" else {choice["function"]["name"]}
         check_calls(message.tool_calls or [], allowed)
-        if choice != "required":
-            assert len(message.tool_calls or []) == 1, where
-
-
-async def test_required_without_parallel_calls_is_one_call(server: ServerProcess) -> None:
-    oai = client(server)
-    replies = await asyncio.gather(
-        *(forced(oai, q, "required", False, parallel_tool_calls=False, seed=7) for q in QUESTIONS)
-    )
-    for message, _ in replies:
-        assert len(message.tool_calls or []) == 1, message
-        check_calls(message.tool_calls or [], set(FUNCTIONS))
+        assert len(message.tool_calls or []) == 1, where
 
 
 async def test_auto_and_a_tool_result_round_trip(server: ServerProcess) -> None:
