@@ -26,6 +26,7 @@ WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city", "unit"],
+    "additionalProperties": False,  # closed: in an open object the 135M model adds keys until max_tokens
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
