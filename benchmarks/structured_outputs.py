@@ -1,17 +1,21 @@
 """Structured outputs: what a grammar costs. ``python -m pagedserve.benchmarks.structured_outputs``.
 
-Default mode: output tok/s of the embedded model with a JSON schema on every request against the same
-workload unconstrained, at 1 and 32 concurrent requests, side by side in one run, with the ratio. Both
-runs are greedy with the same prompts and the same ``max_tokens``; the constrained one stops when its
-JSON is complete, so tok/s (not wall time) is what compares. ``--concurrency`` bounds how many
-requests are in flight: the engine is given ``max_num_seqs`` = concurrency and every prompt at once.
+Default mode: output tok/s of the embedded model with a JSON schema (:data:`MID_SCHEMA`) on every request
+against the same workload unconstrained, at 1 and 32 concurrent requests, side by side in one run, with
+the ratio. Concurrency is the engine's ``max_num_seqs``, every prompt queued at once (``LLM.generate``).
+Both runs are greedy over the same prompts; the constrained run goes first and each unconstrained
+request then generates exactly as many tokens as its constrained twin did (``ignore_eos``), so both runs
+have the same batches step for step and the ratio is the grammar's cost alone: filling the bitmask,
+applying it, advancing the matchers. Timed: the ``generate`` calls only, alternated, best of
+``--repeats`` each, after a warm-up that compiles the schema (what compiling costs is what
+``--compare-backends`` measures).
 
 ``--compare-backends``: the two maintained grammar engines, xgrammar and llguidance, on the embedded
-model's tokenizer, without the model: compile time of a mid-size JSON schema (:data:`MID_SCHEMA`, 15
-properties, nested objects, ``$defs``/``$ref``, enums, arrays), then the per-step token-mask fill while a
-valid instance of it is walked token by token, at batch 1 and at batch 64 (64 matchers at staggered
-positions; one row each, serially, and through the library's own parallel batch call). This picked the
-engine server/structured_output/backend.py uses; the other one only needs to be installed for this mode.
+model's tokenizer, without the model: compile time of :data:`MID_SCHEMA` (15 properties, nested objects,
+``$defs``/``$ref``, enums, arrays; a fresh compiler each time, no cache), then the per-step token-mask
+fill while a valid instance of it is walked token by token, at batch 1 and at batch 64 (64 matchers at
+staggered positions; one row each, serially, and through the library's own parallel batch call). This
+picked the engine server/structured_output/ uses; the other one only needs installing for this mode.
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ def compare_backends(model_path: str, repeats: int, batch: int) -> dict[str, Any
         except ImportError as exc:
             print(f"{backend_type.name}: not installed ({exc}); pip install {backend_type.name}")
             continue
-        compile_s = [_timed(lambda b=backend: b.compile(schema))[1] for _ in range(repeats)]
+        compile_s = [_timed(lambda b=backend: b.compile(schema))[1] for _ in range(max(repeats, 3))]
         compiled = backend.compile(schema)
         results[backend.name] = {
             "tokenizer_setup_ms": setup_s * 1e3,
@@ -219,26 +223,96 @@ def _mask_costs(backend: Any, compiled: Any, tokens: list[int], batch: int) -> d
 
 def print_backends(results: dict[str, Any]) -> None:
     batch = results["batch"]
-    print(f"mid-size schema ({len(MID_SCHEMA['properties'])} properties), instance of "
-          f"{results['instance_tokens']} tokens")
-    header = (f"{'backend':<11} {'tokenizer':>10} {'compile':>9} {'compile1':>9} {'fill b1':>9} "
-              f"{'b1 p99':>8} {f'b{batch} serial':>11} {f'b{batch} batch':>10}")
+    print(
+        f"mid-size schema ({len(MID_SCHEMA['properties'])} properties), instance of "
+        f"{results['instance_tokens']} tokens"
+    )
+    header = (
+        f"{'backend':<11} {'tokenizer':>10} {'compile':>9} {'compile1':>9} {'fill b1':>9} "
+        f"{'b1 p99':>8} {f'b{batch} serial':>11} {f'b{batch} batch':>10}"
+    )
     print(header)
     for name in ("xgrammar", "llguidance"):
         if name not in results:
             continue
         r = results[name]
-        print(f"{name:<11} {r['tokenizer_setup_ms']:>8.0f}ms {r['compile_ms_median']:>7.1f}ms "
-              f"{r['compile_ms_first']:>7.1f}ms {r['fill_b1_us_mean']:>7.0f}us {r['fill_b1_us_p99']:>6.0f}us "
-              f"{r[f'fill_b{batch}_serial_ms']:>9.2f}ms {r[f'fill_b{batch}_batch_call_ms']:>8.2f}ms")
+        print(
+            f"{name:<11} {r['tokenizer_setup_ms']:>8.0f}ms {r['compile_ms_median']:>7.1f}ms "
+            f"{r['compile_ms_first']:>7.1f}ms {r['fill_b1_us_mean']:>7.0f}us {r['fill_b1_us_p99']:>6.0f}us "
+            f"{r[f'fill_b{batch}_serial_ms']:>9.2f}ms {r[f'fill_b{batch}_batch_call_ms']:>8.2f}ms"
+        )
+
+
+# ---- constrained vs unconstrained throughput ----------------------------------------------------------
+
+
+def throughput(model_path: str, concurrency: int, num_prompts: int, max_tokens: int, repeats: int) -> dict:
+    from pagedserve.server.sampling_params import StructuredOutputsParams
+
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model_path, max_num_seqs=concurrency)
+    prompts = [
+        f"Record {i}: write the JSON profile of a fictional employee, id {i}." for i in range(num_prompts)
+    ]
+    schema = StructuredOutputsParams(json=MID_SCHEMA)
+    constrained = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=schema)
+    ] * num_prompts
+    # Warm-ups, not timed: the model's first steps, and the schema's compile and first lexer states.
+    llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=schema))
+    outputs = llm.generate(prompts, constrained)
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    # Alternated and best-of: the machine's other load hits both runs alike.
+    constrained_s, free_s = [], []
+    for _ in range(repeats):
+        constrained_s.append(_timed(lambda: llm.generate(prompts, constrained))[1])
+        free_outputs, elapsed = _timed(lambda: llm.generate(prompts, free))
+        free_s.append(elapsed)
+        assert [len(o.outputs[0].token_ids) for o in free_outputs] == lengths
+    tokens = sum(lengths)
+    return {
+        "concurrency": concurrency,
+        "num_prompts": num_prompts,
+        "output_tokens": tokens,
+        "json_valid": sum(_parses(o.outputs[0].text) for o in outputs),
+        "constrained_tok_s": tokens / min(constrained_s),
+        "unconstrained_tok_s": tokens / min(free_s),
+        "ratio": min(free_s) / min(constrained_s),
+    }
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def print_throughput(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'concurrency':>11} {'requests':>8} {'out tokens':>10} {'valid JSON':>10} "
+        f"{'json_schema tok/s':>17} {'unconstrained tok/s':>19} {'ratio':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['concurrency']:>11} {r['num_prompts']:>8} {r['output_tokens']:>10} "
+            f"{r['json_valid']:>6}/{r['num_prompts']:<3} {r['constrained_tok_s']:>17.1f} "
+            f"{r['unconstrained_tok_s']:>19.1f} {r['ratio']:>6.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
     parser.add_argument("--compare-backends", action="store_true", help="xgrammar vs llguidance, no model")
-    parser.add_argument("--repeats", type=int, default=5, help="compiles timed per backend")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each kind (best kept)")
     parser.add_argument("--batch", type=int, default=64, help="rows of the batched mask fill")
+    parser.add_argument("--concurrency", default="1,32", help="comma-separated max_num_seqs to measure")
+    parser.add_argument("--requests-per-slot", type=int, default=2, help="prompts = this x concurrency")
+    parser.add_argument("--max-tokens", type=int, default=160, help="output bound of every request")
     parser.add_argument("--result-json", default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
     if args.model is None:
@@ -249,7 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         results = compare_backends(args.model, args.repeats, args.batch)
         print_backends(results)
     else:
-        raise SystemExit("not yet")
+        rows = []
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            num_prompts = max(concurrency * args.requests_per_slot, 4)
+            rows.append(throughput(args.model, concurrency, num_prompts, args.max_tokens, args.repeats))
+            print_throughput(rows[-1:])
+        print()
+        print_throughput(rows)
+        results = {"rows": rows}
     if args.result_json:
         with open(args.result_json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

@@ -53,11 +53,11 @@ def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask | None) -> 
     if mask is None:
         return logits
     device, vocab = logits.device, logits.shape[1]
+    bits = mask.bits
+    if bits.shape[1] * BITS < vocab:  # logits wider than the tokenizer: the extra ids are never text
+        bits = torch.nn.functional.pad(bits, (0, (vocab + BITS - 1) // BITS - bits.shape[1]), value=0)
     shifts = torch.arange(BITS, dtype=torch.int32, device=device)
-    allowed = ((mask.bits.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
-    if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never text
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    allowed = allowed[:, :vocab]
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     if len(mask.rows) == logits.shape[0]:
         return logits.masked_fill(~allowed, float("-inf"))
     index = torch.tensor(mask.rows, dtype=torch.long, device=device)

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import pytest
+import torch
 from pagedserve.server.engine.exceptions import InvalidRequestError, StepError
-from pagedserve.server.sampling_params import StructuredOutputsParams
+from pagedserve.server.sampling_params import RequestOutputKind, StructuredOutputsParams
+from pagedserve.server.structured_output.bitmask import (
+    GrammarBitmask,
+    apply_grammar_bitmask,
+    fill_grammar_bitmask,
+)
 from pagedserve.server.structured_output.compiler import GrammarCompiler
+from pagedserve.server.worker import sampler
+
+if TYPE_CHECKING:
+    from pagedserve.server.engine.async_engine import AsyncEngine
 
 from pagedserve import LLM, SamplingParams
 
@@ -177,53 +187,39 @@ def test_regex_and_choice_always_match(llm: LLM) -> None:
             assert text_of(output) in choices
 
 
-def test_json_object_grammar_and_structural_tag(llm: LLM) -> None:
-    tag = {
-        "type": "structural_tag",
-        "triggers": ["<fn="],
-        "structures": [
-            {
-                "begin": "<fn=get_time>",
-                "schema": {
-                    "type": "object",
-                    "properties": {"tz": {"enum": ["UTC", "CET"]}},
-                    "required": ["tz"],
-                    "additionalProperties": False,
-                },
-                "end": "</fn>",
-            }
-        ],
-    }
+def test_json_object_and_grammars(llm: LLM) -> None:
     specs = [
         constrained(json_object=True),
         constrained(grammar='root ::= "The answer is " [0-9]+ "."'),  # GBNF
         constrained(grammar='start: "Call " NAME "()"\nNAME: /[a-z_]{1,12}/'),  # Lark
-        constrained(structural_tag=json.dumps(tag)),
     ]
-    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s) for s in specs[:3]]
-    # Free text, tagged calls, free text...: end it after the first call.
-    params.append(
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=60,
-            structured_outputs=specs[3],
-            stop=["</fn>"],
-            include_stop_str_in_output=True,
-        )
-    )
-    prompts = [
-        PROMPT,
-        "Question: what is 6 times 7?",
-        "Which function prints?",
-        "Use <fn=get_time>{...}</fn> to get the time. What time is it in Paris?",
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s) for s in specs]
+    prompts = [PROMPT, "Question: what is 6 times 7?", "Which function prints?"]
     outputs = llm.generate(prompts, params)
     assert isinstance(json.loads(text_of(outputs[0])), dict)
     assert re.fullmatch(r"The answer is [0-9]+\.", text_of(outputs[1]))
     assert re.fullmatch(r"Call [a-z_]{1,12}\(\)", text_of(outputs[2]))
-    tagged = re.search(r"<fn=get_time>(.*)</fn>", text_of(outputs[3]), re.S)
-    if tagged:  # free text may come first; a call, when made, is the schema's
-        assert json.loads(tagged.group(1))["tz"] in ("UTC", "CET")
+
+
+def test_a_structural_tag_constrains_what_follows_its_trigger(llm: LLM) -> None:
+    """Free text until the trigger, then the tag's schema up to its end (the embedded model seldom
+    writes the trigger itself, so the matcher is fed texts here)."""
+    schema = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}
+    tag = {
+        "type": "structural_tag",
+        "triggers": ["<fn="],
+        "structures": [{"begin": "<fn=get_time>", "schema": schema, "end": "</fn>"}],
+    }
+    grammar = llm.engine.processor.grammar_compiler.compile(constrained(structural_tag=json.dumps(tag)))
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        state = grammar.new_state()
+        return all(state.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('Let me check. <fn=get_time>{"tz": "UTC"}</fn> Done.')
+    assert not accepts('Let me check. <fn=get_time>{"tz": "PST"}</fn>')
+    assert not accepts("Let me check. <fn=get_time>not json")
 
 
 BAD_SPECS = [
@@ -343,11 +339,12 @@ def test_stop_strings_still_apply(llm: LLM) -> None:
     assert '"name"' in text_of(output) and '"age"' not in text_of(output)
 
 
-def test_preemption_mid_grammar_keeps_the_output_valid(model_path: str) -> None:
+def test_preemption_and_chunked_prefill_mid_grammar_keep_the_output_valid(model_path: str) -> None:
     # Prompts of ~5 blocks of 16 tokens, 16 blocks in all: three requests start, then grow out of room and
-    # the newest is preempted mid-JSON, recomputed later from its prompt and the tokens it had, its matcher
-    # untouched.
-    small = LLM(model_path, num_gpu_blocks_override=16, max_model_len=256)
+    # the newest is preempted mid-JSON, recomputed later from its prompt and the tokens it had (its own
+    # blocks found again in the prefix cache), its matcher untouched. 64 tokens a step: every prompt is
+    # prefilled in chunks, and only its last chunk samples through the grammar.
+    small = LLM(model_path, num_gpu_blocks_override=16, max_model_len=256, max_num_batched_tokens=64)
     schemas = [SCHEMAS[1], SCHEMAS[7], SCHEMAS[9]] * 2
     # Distinct from their first token: no prefix-cache hits shrink their footprint.
     prompts = [
@@ -391,3 +388,70 @@ def test_a_token_the_grammar_refuses_fails_its_request_alone(llm: LLM) -> None:
     assert final.finished and final.outputs[0].token_ids == alone.outputs[0].token_ids
     pool = engine.core.kv.pool
     assert pool.num_free_blocks == pool.num_blocks and not engine.output_processor.requests
+
+
+def allowed_ids(mask: GrammarBitmask, position: int, vocab: int) -> set[int]:
+    words = mask.bits[position].tolist()
+    return {t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1}
+
+
+def test_the_bitmask_masks_only_the_rows_with_a_grammar(llm: LLM) -> None:
+    """Three sampled rows, the middle one constrained to a choice: its row allows just the choices'
+    first tokens, the other rows' logits are untouched, and a row sampled alone keeps its own mask."""
+    tokenizer = llm.get_tokenizer()
+    vocab = llm.engine.vocab_size
+    requests = []
+    for index, spec in enumerate([None, constrained(choice=["yes", "no"]), None]):
+        params = SamplingParams(temperature=0.0, structured_outputs=spec)
+        requests.extend(llm.engine.process_inputs(f"row{index}", PROMPT, params).children)
+    mask = fill_grammar_bitmask(requests)
+    assert mask is not None and mask.rows == [1]
+    allowed = allowed_ids(mask, 0, vocab)
+    assert {tokenizer.decode([t]) for t in allowed} <= {"y", "ye", "yes", "n", "no"}
+    assert tokenizer.encode("yes", add_special_tokens=False)[0] in allowed
+
+    logits = torch.randn(3, vocab)
+    masked = apply_grammar_bitmask(logits, mask)
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert set(torch.isfinite(masked[1]).nonzero().flatten().tolist()) == allowed
+    assert mask.select(0) is None and mask.select(1) is not None
+
+    # The batch fails, then each row is sampled alone with its own slice of the mask.
+    original = sampler._apply_penalties
+    calls = {"n": 0}
+
+    def fails_once(batch_logits: torch.Tensor, batch: list[Any]) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected: the batch fails, the rows are retried alone")
+        return original(batch_logits, batch)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler, "_apply_penalties", fails_once)
+        tokens = sampler.sample_each(logits, requests, mask)
+    assert tokens[1].token_id in allowed  # type: ignore[union-attr]
+    assert tokens[0].token_id == int(logits[0].argmax()) and tokens[2].token_id == int(logits[2].argmax())
+
+
+def test_no_grammar_no_bitmask(llm: LLM) -> None:
+    (request,) = llm.engine.process_inputs("plain", PROMPT, SamplingParams()).children
+    assert request.grammar is None and fill_grammar_bitmask([request]) is None
+
+
+async def test_streamed_deltas_of_a_constrained_request_join_into_valid_json(
+    served_engine: AsyncEngine,
+) -> None:
+    schema = SCHEMAS[9]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=100,
+        structured_outputs=constrained(json=schema),
+        output_kind=RequestOutputKind.DELTA,
+    )
+    pieces, finish = [], None
+    async for output in served_engine.generate(PROMPT, params, "streamed"):
+        pieces.append(output.outputs[0].text)
+        finish = output.outputs[0].finish_reason
+    assert finish == "stop" and len(pieces) > 1
+    jsonschema.validate(json.loads("".join(pieces)), schema)
+    assert served_engine.stats().kv_cache_usage == 0.0
