@@ -447,6 +447,15 @@ def _constraint_forms(
     return forms
 
 
+def constraint_field(request: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request field its constraint came in (forced tool calls: the tools' parameters), to name in
+    a 400 when the grammar engine refuses it."""
+    forms = _constraint_forms(request)
+    if not forms:
+        return None
+    return "tools" if forms[0][0] == "tool_choice" else forms[0][0]
+
+
 def tool_choice_of(request: ChatCompletionRequest) -> str | ChatCompletionNamedToolChoiceParam:
     """What the request asks of its tools: "none", "auto", "required" or one named function. A named
     function must be one of the tools; a tool_choice other than "none" needs tools."""

@@ -31,6 +31,7 @@ from pagedserve.server.api.protocol import (
     ChatCompletionMessageParam,
     ChatTemplateFields,
     StreamOptions,
+    constraint_field,
     structured_outputs_params,
 )
 from pagedserve.server.engine.exceptions import InvalidRequestError
@@ -195,9 +196,13 @@ class OpenAIServing:
             )
 
     @staticmethod
-    def invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
-        """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request."""
+    def invalid_request(exc: InvalidRequestError, prompt_param: str, request: Any = None) -> APIError:
+        """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request, and
+        a constraint the grammar engine refuses is named by the field the request sent it in."""
         param = prompt_param if exc.param == "prompt" else exc.param
+        if request is not None and param is not None and param.startswith("structured_outputs"):
+            field = constraint_field(request)  # the engine names structured_outputs.<kind>
+            param = param if field in (None, "structured_outputs") else field
         return APIError(exc.message, 400, param=param, code=exc.code)
 
     # ---- prompts ------------------------------------------------------------------------------------
@@ -296,20 +301,20 @@ class OpenAIServing:
     # ---- the engine streams -------------------------------------------------------------------------
 
     async def add_requests(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, prompt_param: str, cache_salt: str | None
+        self, prompts: list[dict[str, Any]], params: SamplingParams, prompt_param: str, request: Any
     ) -> list[RequestStream]:
         """One engine request per prompt (a prompt dict, with the request's ``cache_salt`` added), all
         checked before any response starts; a refusal is a 400 (and closes, so aborts, the requests of
         this call already added)."""
         streams: list[RequestStream] = []
-        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
         try:
             for prompt in prompts:
                 streams.append(await self.engine.add_request(random_id(), {**prompt, **salt}, params))
         except InvalidRequestError as exc:
             for stream in streams:
                 await stream.aclose()
-            raise self.invalid_request(exc, prompt_param) from exc
+            raise self.invalid_request(exc, prompt_param, request) from exc
         return streams
 
     async def observed(self, stream: RequestStream, tracker: RequestTracker) -> AsyncIterator[RequestOutput]:

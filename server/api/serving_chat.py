@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         if tool_parser is not None and tool_parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads the call markers
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        (engine_stream,) = await self.add_requests([prompt], params, "messages", request.cache_salt)
+        (engine_stream,) = await self.add_requests([prompt], params, "messages", request)
 
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
         # As OpenAI streams: content "" opens a text reply, null one that may be tool calls (the stream

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -423,3 +424,28 @@ async def test_max_tokens_cutting_json_says_length(server: ServerProcess) -> Non
     assert cut.choices[0].finish_reason == "length"
     with pytest.raises(ValueError):
         json.loads(cut.choices[0].message.content or "")
+
+
+REFUSED_BY_THE_GRAMMAR_ENGINE: list[tuple[dict[str, Any], str, str]] = [
+    ({"guided_regex": "a("}, "guided_regex", "regex"),
+    ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs.regex", "regex"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+        "response_format",
+        "not",
+    ),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", ""),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fields", "param", "says"), REFUSED_BY_THE_GRAMMAR_ENGINE)
+def test_what_the_grammar_engine_refuses_is_a_400_naming_the_field_sent(
+    server: ServerProcess, fields: dict, param: str, says: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **fields}, timeout=60)
+    assert says in assert_400(refused, param)
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert ok.status_code == 200, ok.text  # the server goes on serving
