@@ -58,6 +58,8 @@ class ServerSettings:
     shutdown_grace_seconds: float = 30.0
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
     chat_template_limits: TemplateLimits = field(default_factory=TemplateLimits)
+    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser (server/api/tool_parsers/)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -86,7 +88,11 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     )
     stop = GracefulStop(engine, settings.shutdown_grace_seconds)
     serving = (engine, model_names, metrics, templates, stop)
-    chat = OpenAIServingChat(*serving)
+    chat = OpenAIServingChat(
+        *serving,
+        tool_parser=settings.tool_call_parser,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+    )
     completion = OpenAIServingCompletion(*serving)
     tokenization = OpenAIServingTokenization(*serving)
     auth_errors = (401,) if settings.api_key else ()

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import json
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -263,7 +264,8 @@ class ChatTemplateRenderer:
         extra = {k: v for k, v in (kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
         context = {**self.variables, **extra}
         context.update(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt)
-        messages = [dict(m) for m in messages]  # the continue tag below must not touch the caller's
+        # Copies: the continue tag and the parsed tool-call arguments below must not touch the caller's.
+        messages = [_with_parsed_arguments(dict(m)) for m in messages]
         final = None
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
@@ -296,6 +298,25 @@ class ChatTemplateRenderer:
                 f"Cannot apply the chat template: {type(exc).__name__}: {exc}", "messages"
             ) from exc
         return "".join(pieces)
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool calls with their arguments as objects, as HF templates read them
+    (``tool_call.arguments | tojson``); OpenAI sends them as JSON text. As vLLM does: text that is not
+    JSON stays text, no arguments become {}."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and not isinstance(function.get("arguments"), (dict, list)):
+            arguments = function.get("arguments") or "{}"
+            with contextlib.suppress(TypeError, ValueError):
+                arguments = json.loads(arguments)
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
 
 
 def _cut_at_continue_tag(text: str, final: str) -> str:

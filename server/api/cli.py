@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 
 from pagedserve.server.api.chat_template import TemplateLimits
+from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -83,6 +84,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=TemplateLimits.timeout_s,
         metavar="SECONDS",
         help="a chat template that renders longer than this gets a 400",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (OpenAI\'s default with tools): the model may call tools, read out of its '
+        'reply by --tool-call-parser; without it such requests get a 400. "required" and a named function '
+        "need no flag: the grammar forces the calls",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are written in the model's replies (hermes: <tool_call>{json}</tool_call>; "
+        "llama3_json: JSON objects separated by ';', optionally after <|python_tag|>)",
     )
     server.add_argument(
         "--uvicorn-log-level",
@@ -165,6 +180,9 @@ def configure_logging(level: str) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.uvicorn_log_level)
     log = logging.getLogger("pagedserve.api")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        log.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s)", ", ".join(TOOL_PARSERS))
+        return 2
     try:
         config = engine_config(args)
     except ValueError as exc:
@@ -183,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace_seconds=args.shutdown_grace_period,
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_limits=TemplateLimits(timeout_s=args.chat_template_timeout),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(engine, settings)
     stop = app.state.graceful_stop

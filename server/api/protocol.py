@@ -19,29 +19,30 @@ A request is taken as OpenAI takes it, and /openapi.json says exactly that (``Re
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pagedserve.server.sampling_params import MAX_LOGPROBS  # one bound for the API and the engine
+import jsonschema
+from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.sampling_params import (
+    MAX_LOGPROBS,  # one bound for the API and the engine
+    StructuredOutputsParams,
+)
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # torch.iinfo(torch.long): a seed must fit a 64-bit generator seed. Written out to keep torch out of here.
 _LONG_MIN = -(2**63)
 _LONG_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
+# vLLM's name for llguidance, the grammar engine (server/structured_output/): the one
+# guided_decoding_backend accepted.
+GRAMMAR_BACKEND = "guidance"
 
 
-_STRUCTURED = "structured outputs are not implemented yet"
 # vLLM request fields this server does not implement, and why: each one is a 400 that names it.
 UNSUPPORTED_FIELDS = {
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
+    "structural_tag": "send it as structured_outputs.structural_tag",
     "length_penalty": "it applies to beam search, which is not implemented",
     "prompt_embeds": "prompts are text or token ids",
     "mm_processor_kwargs": "multimodal inputs are not supported",
@@ -55,8 +56,8 @@ UNSUPPORTED_FIELDS = {
     "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "extension arguments are not supported",
     # OpenAI's own fields for features this server lacks: named, not "unrecognized".
-    "functions": "tool calling is not implemented yet",
-    "function_call": "tool calling is not implemented yet",
+    "functions": "deprecated by OpenAI: send tools",
+    "function_call": "deprecated by OpenAI: send tool_choice",
     "modalities": "only text output is supported",
     "audio": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -208,13 +209,86 @@ class _SamplingFields(RequestModel):
     cache_salt: Text | None = Field(None, min_length=1)  # only requests with the same salt share KV blocks
 
 
+# --------------------------------------------------------------------------------- structured outputs
+def _json_schema(value: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A JSON schema, as an object or as its JSON text: checked against its metaschema (the draft its
+    ``$schema`` names, else 2020-12), so that "not a schema" is a 400 naming the field. Whether the
+    grammar engine can compile it is the engine's check (server/engine/processor.py)."""
+    schema = value
+    if isinstance(value, str):
+        try:
+            schema = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("a JSON schema is an object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise ValueError(
+            f"not a valid JSON schema: {exc.message}" + (f" (at /{where})" if where else "")
+        ) from None
+    return value
+
+
+JSONSchema = Annotated[Text | JSONObject, AfterValidator(_json_schema)]
+
+
+class JSONSchemaFormat(RequestModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: Text = Field(..., min_length=1)
+    description: Text | None = None
+    schema_: JSONSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(RequestModel):
-    """Only plain text: JSON modes need structured outputs, which are not implemented yet."""
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that matches a schema."""
 
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
 
 
-class CompletionRequest(_SamplingFields):
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs`` object (server/sampling_params.py ``StructuredOutputsParams``)."""
+
+    json_: JSONSchema | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: Text | None = None
+
+
+class _StructuredOutputFields(RequestModel):
+    """The ways a request constrains its output, on both endpoints: OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` and vLLM's older ``guided_*`` fields. ``structured_outputs_params`` maps
+    them (and a chat request's forced tool calls) to the engine's one ``StructuredOutputsParams``."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JSONSchema | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+    guided_decoding_backend: Text | None = Field(
+        None,
+        description=f"accepted and ignored if it names this server's grammar backend ({GRAMMAR_BACKEND})",
+    )
+
+
+class CompletionRequest(_SamplingFields, _StructuredOutputFields):
     """POST /v1/completions (OpenAI's legacy completions)."""
 
     prompt: list[int] | list[list[int]] | Text | list[Text]
@@ -223,7 +297,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     suffix: Text | None = None
     add_special_tokens: bool = True
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _max_tokens_zero_only_with_echo(self) -> CompletionRequest:
@@ -249,11 +322,38 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
     tool_calls: list[JSONObject] | None = None
 
 
+# -------------------------------------------------------------------------------------------- tools
+class FunctionDefinition(RequestModel):
+    name: Text = Field(..., min_length=1)
+    description: Text | None = None
+    parameters: JSONSchema | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None  # accepted: arguments are always held to the schema when it is enforced
+
+
+class ChatCompletionToolsParam(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: Text
+
+
+class ChatCompletionNamedToolChoiceParam(RequestModel):
+    """``tool_choice`` naming one function: the reply is a call of it."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
 class ChatTemplateFields(RequestModel):
     """A conversation and how to render it with the chat template: /v1/chat/completions and /tokenize."""
 
     messages: list[ChatCompletionMessageParam] = Field(..., min_length=1)
-    tools: list[JSONObject] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
     # vLLM extras
     documents: list[JSONObject] | None = None
     add_generation_prompt: bool = True
@@ -263,17 +363,16 @@ class ChatTemplateFields(RequestModel):
     chat_template_kwargs: JSONObject | None = None
 
 
-class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
+class ChatCompletionRequest(_SamplingFields, _StructuredOutputFields, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     logprobs: bool | None = False
     top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI: max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: ResponseFormat | None = None
-    # OpenAI's default with tools is "auto": tool calling, which is not implemented; only "none" works.
-    tool_choice: Text | JSONObject | None = None
-    parallel_tool_calls: bool | None = None
+    # None: "auto" with tools, as at OpenAI; "auto" needs --enable-auto-tool-choice, as in vLLM.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     echo: Literal[False] = Field(False, description="vLLM's; only false: echo on chat is not implemented")
     # OpenAI's bookkeeping fields: they change no generated token, OpenAI clients and SDKs send them, and
     # vLLM accepts them; refusing them would break drop-in use. /openapi.json says what each does here.
@@ -282,6 +381,140 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     service_tier: Literal["auto", "default"] | None = Field(None, description="accepted; one tier")
     prompt_cache_key: Text | None = Field(None, description="accepted; prefix caching is automatic")
     safety_identifier: Text | None = None
+
+
+# ----------------------------------------------------------- the one StructuredOutputsParams of a request
+def structured_outputs_params(
+    request: CompletionRequest | ChatCompletionRequest,
+) -> StructuredOutputsParams | None:
+    """The engine's one constraint for a request's output, from whichever form the request used; two
+    forms in one request are a 400 (InvalidRequestError naming the second), as is a guided decoding
+    backend other than this server's."""
+    backend = request.guided_decoding_backend
+    if backend is not None and backend not in (GRAMMAR_BACKEND, "auto"):
+        raise InvalidRequestError(
+            f"guided_decoding_backend {backend!r} is not available: this server's one grammar backend is "
+            f"{GRAMMAR_BACKEND!r}",
+            param="guided_decoding_backend",
+        )
+    forms = _constraint_forms(request)
+    if len(forms) > 1:
+        (first, _), (second, _) = forms[:2]
+        raise InvalidRequestError(
+            f"{first} and {second} both constrain the output: send one of them", param=second
+        )
+    params = forms[0][1] if forms else None
+    if request.guided_whitespace_pattern is not None:
+        if params is None or params.kind not in ("json", "json_object"):
+            raise InvalidRequestError(
+                "guided_whitespace_pattern applies to JSON output: send it with a JSON schema",
+                param="guided_whitespace_pattern",
+            )
+        params.whitespace_pattern = request.guided_whitespace_pattern
+    return params
+
+
+def _constraint_forms(
+    request: CompletionRequest | ChatCompletionRequest,
+) -> list[tuple[str, StructuredOutputsParams]]:
+    """(field, its constraint) for every form the request sent."""
+    forms: list[tuple[str, StructuredOutputsParams]] = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        forms.append(("response_format", StructuredOutputsParams(json_object=True)))
+    elif fmt is not None and fmt.json_schema is not None:
+        schema = fmt.json_schema.schema_
+        params = (
+            StructuredOutputsParams(json=schema)
+            if schema is not None
+            else StructuredOutputsParams(json_object=True)
+        )
+        forms.append(("response_format", params))
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_unset=True)
+        forms.append(("structured_outputs", StructuredOutputsParams(**fields)))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):  # fmt: skip
+        value = getattr(request, name)
+        if value is not None:
+            forms.append((name, StructuredOutputsParams(**{kind: value})))
+    if isinstance(request, ChatCompletionRequest):
+        schema = tool_calls_schema(request)
+        if schema is not None:
+            # Calls are written compactly, as OpenAI writes them: free whitespace is room for a small model
+            # to pad a finished call until max_tokens.
+            forms.append(("tool_choice", StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+    return forms
+
+
+def constraint_field(request: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request field its constraint came in (forced tool calls: the tools' parameters), to name in
+    a 400 when the grammar engine refuses it."""
+    forms = _constraint_forms(request)
+    if not forms:
+        return None
+    return "tools" if forms[0][0] == "tool_choice" else forms[0][0]
+
+
+def tool_choice_of(request: ChatCompletionRequest) -> str | ChatCompletionNamedToolChoiceParam:
+    """What the request asks of its tools: "none", "auto", "required" or one named function. A named
+    function must be one of the tools; a tool_choice other than "none" needs tools."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice is not None and choice != "none":
+            raise InvalidRequestError("tool_choice needs tools: send the functions to choose from",
+                                      param="tool_choice")  # fmt: skip
+        return "none"
+    if choice is None:
+        return "auto"  # OpenAI's default when there are tools
+    if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+        names = [tool.function.name for tool in request.tools]
+        if choice.function.name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                f"({', '.join(names)})",
+                param="tool_choice",
+            )
+    return choice
+
+
+def tool_calls_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema that forces the reply to be tool calls, as vLLM builds it: for a named function its
+    parameters; for "required" an array of {name, parameters} objects, anyOf over the tools (one item at
+    most without parallel tool calls), with the tools' $defs hoisted to the root where $ref finds them."""
+    choice = tool_choice_of(request)
+    if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+        tool = next(t for t in request.tools or [] if t.function.name == choice.function.name)
+        return _parameters(tool)
+    if choice != "required":
+        return None
+    defs: dict[str, Any] = {}
+    variants = []
+    for tool in request.tools or []:
+        parameters = dict(_parameters(tool))
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise InvalidRequestError(
+                    f"tools define $defs/{name} twice, differently: one schema cannot hold both",
+                    param="tools",
+                )
+        variants.append({
+            "properties": {"name": {"enum": [tool.function.name]}, "parameters": parameters},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if request.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _parameters(tool: ChatCompletionToolsParam) -> dict[str, Any]:
+    parameters = tool.function.parameters
+    if parameters is None:
+        return {"type": "object", "properties": {}}
+    return json.loads(parameters) if isinstance(parameters, str) else parameters
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -381,6 +614,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    # {index, id, type, function: {name, arguments}} first, then {index, function: {arguments}} fragments
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -27,7 +27,13 @@ from pagedserve.server.api.disconnect import ClientDisconnected, run_unless_disc
 from pagedserve.server.api.errors import APIError, error_body
 from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
-from pagedserve.server.api.protocol import ChatCompletionMessageParam, ChatTemplateFields, StreamOptions
+from pagedserve.server.api.protocol import (
+    ChatCompletionMessageParam,
+    ChatTemplateFields,
+    StreamOptions,
+    constraint_field,
+    structured_outputs_params,
+)
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
@@ -38,8 +44,9 @@ from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("pagedserve.api")
 T = TypeVar("T")
-# Shapes one delta of one choice into a chunk's choice: (index of the prompt, its output, the delta).
-ChoiceShaper = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any]]
+# Shapes one delta of one choice into a chunk's choice: (index of the prompt, its output, the delta);
+# None: nothing to send for this delta (a tool-call parser holds its text back).
+ChoiceShaper = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any] | None]
 
 
 @dataclass
@@ -189,9 +196,13 @@ class OpenAIServing:
             )
 
     @staticmethod
-    def invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
-        """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request."""
+    def invalid_request(exc: InvalidRequestError, prompt_param: str, request: Any = None) -> APIError:
+        """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request, and
+        a constraint the grammar engine refuses is named by the field the request sent it in."""
         param = prompt_param if exc.param == "prompt" else exc.param
+        if request is not None and param is not None and param.startswith("structured_outputs"):
+            field = constraint_field(request)  # the engine names structured_outputs.<kind>
+            param = param if field in (None, "structured_outputs") else field
         return APIError(exc.message, 400, param=param, code=exc.code)
 
     # ---- prompts ------------------------------------------------------------------------------------
@@ -221,7 +232,9 @@ class OpenAIServing:
             prompt = await self.templates.render_async(
                 conversation,
                 request_template=request_template(request.chat_template, kwargs),
-                tools=request.tools,
+                tools=[tool.model_dump(exclude_none=True) for tool in request.tools]
+                if request.tools
+                else None,
                 documents=request.documents,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -281,27 +294,27 @@ class OpenAIServing:
                     "logit_bias keys must be token ids (integers).", 400, param="logit_bias"
                 ) from exc
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**kwargs, structured_outputs=structured_outputs_params(request))
         except InvalidRequestError as exc:
             raise self.invalid_request(exc, "prompt") from exc
 
     # ---- the engine streams -------------------------------------------------------------------------
 
     async def add_requests(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, prompt_param: str, cache_salt: str | None
+        self, prompts: list[dict[str, Any]], params: SamplingParams, prompt_param: str, request: Any
     ) -> list[RequestStream]:
         """One engine request per prompt (a prompt dict, with the request's ``cache_salt`` added), all
         checked before any response starts; a refusal is a 400 (and closes, so aborts, the requests of
         this call already added)."""
         streams: list[RequestStream] = []
-        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
         try:
             for prompt in prompts:
                 streams.append(await self.engine.add_request(random_id(), {**prompt, **salt}, params))
         except InvalidRequestError as exc:
             for stream in streams:
                 await stream.aclose()
-            raise self.invalid_request(exc, prompt_param) from exc
+            raise self.invalid_request(exc, prompt_param, request) from exc
         return streams
 
     async def observed(self, stream: RequestStream, tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
@@ -405,7 +418,8 @@ class OpenAIServing:
                 cached_tokens[p_index] = output.num_cached_tokens
                 completion_tokens += sum(len(o.token_ids) for o in output.outputs)
                 for delta in output.outputs:
-                    yield chunk([shape(p_index, output, delta)])
+                    if (choice := shape(p_index, output, delta)) is not None:
+                        yield chunk([choice])
             if include_usage:
                 usage = usage_dict(num_prompt_tokens, completion_tokens, sum(cached_tokens))
                 yield sse({**base, "choices": [], "usage": usage})

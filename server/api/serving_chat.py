@@ -5,12 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.server.api.errors import APIError
-from pagedserve.server.api.protocol import ChatCompletionRequest
+from pagedserve.server.api.protocol import ChatCompletionRequest, tool_choice_of
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,
     OpenAIServing,
     ResponseForm,
 )
+from pagedserve.server.api.tool_parsers import TOOL_PARSERS
+from pagedserve.server.api.tool_parsers.base import ToolParser
+from pagedserve.server.api.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagedserve.server.api.tool_parsers.stream import ToolCallStream, whole_reply
+from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,19 +24,21 @@ ROLE = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self, *args: Any, tool_parser: str | None = None, enable_auto_tool_choice: bool = False
+    ) -> None:
+        super().__init__(*args)
+        # vLLM's rule: "auto" reads calls out of free text, so it needs both flags (server/api/cli.py).
+        self.auto_tool_parser = (
+            TOOL_PARSERS[tool_parser]() if enable_auto_tool_choice and tool_parser else None
+        )
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_request(request)
-        if request.tools and request.tool_choice != "none":
-            # OpenAI's default with tools is "auto"; both it and a named tool need tool calling.
-            raise APIError(
-                "Tool calling is not supported: with tools, send tool_choice 'none' (the tools are then "
-                "only shown to the chat template).",
-                400,
-                param="tool_choice" if request.tool_choice is not None else "tools",
-            )
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", 400, param="top_logprobs")
+        tool_parser = self._tool_parser(request)
 
         prompt_text = await self.apply_chat_template(request)
         prompt_ids = await self.tokenize(
@@ -42,12 +49,17 @@ class OpenAIServingChat(OpenAIServing):
         )
         top_logprobs = request.top_logprobs or 0
         params = self.sampling_params(request, requested, top_logprobs if request.logprobs else None)
+        if tool_parser is not None and tool_parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the parser reads the call markers
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        (engine_stream,) = await self.add_requests([prompt], params, "messages", request.cache_salt)
+        (engine_stream,) = await self.add_requests([prompt], params, "messages", request)
 
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
+        # As OpenAI streams: content "" opens a text reply, null one that may be tool calls (the stream
+        # helpers then leave content null when only calls follow).
+        content = "" if tool_parser is None else None
         opening = [
-            {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": ROLE, "content": content}, "logprobs": None, "finish_reason": None}
             for i in range(request.n)
         ]
         form = ResponseForm(
@@ -56,8 +68,8 @@ class OpenAIServingChat(OpenAIServing):
             chunk_object="chat.completion.chunk",
             stream=request.stream,
             num_prompt_tokens=len(prompt_ids),
-            chunk_choice=self._chunk_choice(request),
-            choices=lambda finals: self._choices(finals[0], request),
+            chunk_choice=self._chunk_choice(request, tool_parser),
+            choices=lambda finals: self._choices(finals[0], request, tool_parser),
             opening=opening,
             body_fields=self._prompt_logprobs if request.prompt_logprobs is not None else None,
         )
@@ -65,18 +77,46 @@ class OpenAIServingChat(OpenAIServing):
             raw_request, [self.observed(engine_stream, tracker)], form, request.stream_options
         )
 
-    def _choices(self, final: RequestOutput, request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """What reads the calls out of the reply: none without tools or with "none"; the server's parser
+        for "auto"; the forced forms' readers for "required" and a named function."""
+        try:
+            choice = tool_choice_of(request)
+        except InvalidRequestError as exc:
+            raise self.invalid_request(exc, "messages") from exc
+        if choice == "none":
+            return None
+        if choice == "auto":
+            if self.auto_tool_parser is None:
+                raise APIError(
+                    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                    '(OpenAI\'s default with tools is "auto"; send tool_choice "none", "required" or a '
+                    "named function otherwise)",
+                    400,
+                    param="tool_choice" if request.tool_choice is not None else "tools",
+                )
+            return self.auto_tool_parser
+        if choice == "required":
+            return RequiredToolParser()
+        return NamedToolParser(choice.function.name)
+
+    def _choices(
+        self, final: RequestOutput, request: ChatCompletionRequest, tool_parser: ToolParser | None
+    ) -> list[dict[str, Any]]:
         choices = []
         for out in final.outputs:
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 logprobs = self.chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            content, tool_calls = out.text, []
+            if tool_parser is not None:
+                content, tool_calls = whole_reply(tool_parser, out.text, _max_calls(request))
             choices.append(
                 {
                     "index": out.index,
-                    "message": {"role": ROLE, "content": out.text, "tool_calls": []},
+                    "message": {"role": ROLE, "content": content, "tool_calls": tool_calls},
                     "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": _finish_reason(out.finish_reason, bool(tool_calls)),
                     "stop_reason": out.stop_reason,
                 }
             )
@@ -86,20 +126,39 @@ class OpenAIServingChat(OpenAIServing):
         """vLLM puts a chat response's prompt_logprobs beside its choices."""
         return {"prompt_logprobs": self.prompt_logprobs_json(finals[0].prompt_logprobs)}
 
-    def _chunk_choice(self, request: ChatCompletionRequest) -> ChoiceShaper:
-        """A chat chunk's choice: the delta's text as `delta.content`, with its tokens' logprobs."""
+    def _chunk_choice(self, request: ChatCompletionRequest, tool_parser: ToolParser | None) -> ChoiceShaper:
+        """A chat chunk's choice: the delta's text as `delta.content` (or, read by the tool parser, as
+        content and `delta.tool_calls`), with its tokens' logprobs."""
         top_logprobs = request.top_logprobs or 0
+        calls: dict[int, ToolCallStream] = {}  # per choice
 
-        def shape(p_index: int, output: RequestOutput, delta: CompletionOutput) -> dict[str, Any]:
+        def shape(p_index: int, output: RequestOutput, delta: CompletionOutput) -> dict[str, Any] | None:
             logprobs = None
             if request.logprobs and delta.logprobs is not None:
                 logprobs = self.chat_logprobs(delta.token_ids, delta.logprobs, top_logprobs)
+            message: dict[str, Any] = {"content": delta.text}
+            called = False
+            if tool_parser is not None:
+                stream = calls.setdefault(delta.index, ToolCallStream(tool_parser, _max_calls(request)))
+                message = stream.feed(delta.text, delta.finish_reason is not None)
+                called = stream.called
+                if not message and delta.finish_reason is None and logprobs is None:
+                    return None  # text held back until the parser knows what it is
             return {
                 "index": delta.index,
-                "delta": {"content": delta.text},
+                "delta": message,
                 "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
+                "finish_reason": _finish_reason(delta.finish_reason, called),
                 "stop_reason": delta.stop_reason,
             }
 
         return shape
+
+
+def _max_calls(request: ChatCompletionRequest) -> int | None:
+    return 1 if request.parallel_tool_calls is False else None
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by calling; "length" stays "length"."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -204,3 +204,12 @@ async def app_client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:
     app = build_app(engine, ServerSettings(**settings))  # type: ignore[arg-type]
     await engine.start()  # httpx's ASGI transport does not run the lifespan
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+
+
+def assert_400(response: httpx.Response, param: str) -> str:
+    """A 400 in OpenAI's error shape naming ``param``; its message."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+    return error["message"]

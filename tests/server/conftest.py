@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from api_fakes import FakeEngine
+from pagedserve.server.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -13,3 +16,19 @@ async def engine() -> AsyncIterator[FakeEngine]:
     engine = FakeEngine()
     yield engine
     await engine.shutdown(grace_seconds=0)
+
+
+@pytest.fixture
+def sent(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
+    """The SamplingParams of every request the server hands the engine. The scripted core follows its
+    script whatever the constraint, so the engine gets the request without it (the grammar compiler
+    needs a real tokenizer; tests with the embedded model compile and enforce it)."""
+    params: list[SamplingParams] = []
+    add_request = engine.add_request
+
+    async def recording(request_id: str, prompt: Any, sampling: SamplingParams) -> Any:
+        params.append(sampling)
+        return await add_request(request_id, prompt, dataclasses.replace(sampling, structured_outputs=None))
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    return params

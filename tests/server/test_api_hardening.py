@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import FakeEngine, app_client
+from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.server.api.auth import OPEN_PATHS
 from pagedserve.server.api.chat_template import TemplateLimits
 from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS
@@ -22,14 +22,6 @@ MSGS = [{"role": "user", "content": "hi"}]
 # Two nested loops of 15,000: seconds of pure-Python work in Jinja (issue 14 measured 7.4 s).
 TRUSTED = {"trust_request_chat_template": True}
 SLOW_TEMPLATE = "{% for i in range(15000) %}{% for j in range(15000) %}{% endfor %}{% endfor %}"
-
-
-def assert_400(response: httpx.Response, param: str) -> str:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param, error
-    assert error["type"] == "invalid_request_error"
-    return error["message"]
 
 
 async def post_raw(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -124,14 +116,12 @@ async def test_api_key_guards_every_route_but_the_probes(engine: FakeEngine) -> 
 
 
 # ------------------------------------------------------------------------------------ no silent no-ops
+# Structured outputs and tools are implemented (issue 16): only what would do nothing is refused here;
+# tests/server/test_structured_outputs_api.py and test_tool_calls.py have the rest.
 CHAT_REFUSED = [
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"guided_regex": "a+"}, "guided_regex"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"json": {}, "regex": "a+"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
     ({"echo": True}, "echo"),
@@ -184,7 +174,7 @@ async def test_openapi_says_unknown_fields_are_refused(engine: FakeEngine) -> No
         schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         assert schemas[name]["additionalProperties"] is False, name
-    assert "guided_json" not in schemas["ChatCompletionRequest"]["properties"]
+    assert "structural_tag" not in schemas["ChatCompletionRequest"]["properties"]
 
 
 # ---------------------------------------------------------------------------------------- strict types
