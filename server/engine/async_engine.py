@@ -170,6 +170,11 @@ class AsyncEngine:
     ) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
+        if params.structured_outputs is not None:
+            # A first compile may take up to its deadline (server/structured_output/compiler.py): done off
+            # the loop, so other streams keep flowing; process() below then finds it in the cache. Only the
+            # compile moves: tokenizing stays on the loop, the one thread that uses the HF tokenizer.
+            await asyncio.to_thread(self.processor.grammar_compiler.compile, params.structured_outputs)
         request = self.processor.process(request_id, prompt, params)
         self.output_processor.add_request(request)  # refuses a request_id in use
         stream = self._streams[request_id] = RequestStream(self, request)

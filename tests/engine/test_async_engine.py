@@ -66,3 +66,33 @@ async def test_bad_request_fails_alone(engine: AsyncEngine) -> None:
         await collect(engine, "hello " * 20, "bad", max_tokens=10**6)
     assert len(await good) == 16
     assert engine.is_healthy()
+
+
+async def test_a_slow_grammar_compile_leaves_the_loop_free(engine: AsyncEngine) -> None:
+    """Nested counted repetitions take about a second to compile (and are refused past the deadline):
+    meanwhile the event loop keeps turning, so other streams are not held up."""
+    from pagedserve.server.engine.exceptions import InvalidRequestError
+    from pagedserve.server.sampling_params import StructuredOutputsParams
+
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(x{1000}){1000}"))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        stream = await engine.add_request("slow-grammar", "Say x:", params)
+        await stream.aclose()
+    except InvalidRequestError:
+        pass  # past the compile deadline on a slow machine: refused, which is fine here
+    finally:
+        elapsed = loop.time() - started
+        ticker.cancel()
+    # Held on the loop, the compile would leave at most a tick or two for the whole wait.
+    assert elapsed < 0.2 or ticks >= elapsed / 0.01 / 4, (ticks, elapsed)
