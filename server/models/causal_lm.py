@@ -68,8 +68,8 @@ class DecoderForCausalLM(nn.Module):
 
     Attributes useful to the model runner: ``num_layers``, ``num_heads``, ``num_kv_heads``,
     ``head_dim``, ``vocab_size``, ``max_position`` (the rotary cache's length: positions must be
-    below it), ``sliding_window`` (``None``, or the window of the model's sliding-window layers) and
-    ``spec`` (everything else, per layer).
+    below it) and ``spec`` (everything else, per layer: each layer's window is on its ``Attention``, where
+    the engine reads it, server/core/kv_cache_manager.py ``uniform_sliding_window``).
     """
 
     stacked_params: ClassVar[tuple[tuple[str, str, int], ...]] = STACKED_QKV_GATE_UP
@@ -92,8 +92,6 @@ class DecoderForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
         self.vocab_size = spec.vocab_size
         self.tie_word_embeddings = spec.tie_word_embeddings
-        windows = [w for w in spec.sliding_windows if w is not None]
-        self.sliding_window: int | None = max(windows) if windows else None
         self.model = DecoderModel(
             spec,
             hf_config,

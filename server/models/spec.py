@@ -73,10 +73,6 @@ class DecoderSpec:
         """The attention window of layer ``layer_index``; ``None`` for full attention."""
         return self.sliding_window if self.layer_types[layer_index] == SLIDING_ATTENTION else None
 
-    @property
-    def sliding_windows(self) -> list[int | None]:
-        return [self.layer_sliding_window(i) for i in range(self.num_layers)]
-
 
 def llama_spec_fields(cfg: Any) -> dict[str, Any]:
     """The fields every Llama-shaped config has, as ``DecoderSpec`` keyword arguments."""
