@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import re
+import textwrap
 from collections.abc import Iterator
 
 from pagedserve.server.api.chat_template import TemplateLimits
@@ -36,12 +37,29 @@ def human_bytes(value: str) -> int:
 _ARCHITECTURES_EPILOG = "supported architectures (config.json's \"architectures\")"
 
 
-class _ServeHelpFormatter(argparse.HelpFormatter):
+_STRUCTURED_OUTPUTS_EPILOG = (
+    "structured outputs (request fields, on /v1/completions and /v1/chat/completions; README.md, "
+    "'Structured outputs and tool calls'): response_format {\"type\": \"json_object\"} or {\"type\": "
+    "\"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}; structured_outputs {json | "
+    "regex | choice | grammar | json_object | structural_tag, disable_any_whitespace, whitespace_pattern}; "
+    "guided_json, guided_regex, guided_choice, guided_grammar; tools with tool_choice none, auto (needs "
+    "--enable-auto-tool-choice and --tool-call-parser), required or a named function. One grammar engine, "
+    "llguidance (guided_decoding_backend: guidance or auto). A reply cut by max_tokens mid-JSON finishes "
+    "with \"length\"."
+)
+
+
+class _ServeHelpFormatter(argparse.RawDescriptionHelpFormatter):
     def add_text(self, text: str | None) -> None:
         if text is _ARCHITECTURES_EPILOG:
             from pagedserve.server.models.registry import supported_architectures
 
-            text = f"{_ARCHITECTURES_EPILOG}: {', '.join(supported_architectures())}"
+            width = self._width - self._current_indent
+            paragraphs = [
+                f"{_ARCHITECTURES_EPILOG}: {', '.join(supported_architectures())}",
+                _STRUCTURED_OUTPUTS_EPILOG,
+            ]
+            text = "\n\n".join(textwrap.fill(p, width, break_on_hyphens=False) for p in paragraphs)
         super().add_text(text)
 
 

@@ -370,12 +370,15 @@ async def test_tools_and_tool_messages_render_through_the_template(engine: FakeE
     assert "<tool>(call_1)sunny" in text
 
 
-def test_serve_help_documents_the_tool_flags() -> None:
+def test_serve_help_documents_the_tool_flags_and_the_structured_output_fields() -> None:
     done = subprocess.run(pagedserve_argv("serve", "--help"), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     help_text = " ".join(done.stdout.split())
     assert "--enable-auto-tool-choice" in help_text
     assert "--tool-call-parser {hermes,llama3_json}" in help_text
+    for field in ("response_format", "json_schema", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar", "tool_choice", "guided_decoding_backend"):
+        assert field in help_text, field
 
 
 def test_auto_tool_choice_without_a_parser_is_refused_at_start() -> None:
