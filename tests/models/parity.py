@@ -12,9 +12,12 @@ logprobs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -64,6 +67,18 @@ def tiny_checkpoint(config, folder: Path, seed: int = 0):
     hf.save_pretrained(folder)
     build_tiny_tokenizer(folder)
     return hf
+
+
+def checkpoint_fixture(cases: dict[str, Callable[[], Any]], name: str):
+    """A module-scoped fixture ``name`` over ``cases`` (case name -> config factory): one
+    ``(case name, HF model, checkpoint folder)`` per case, built once for the module's tests."""
+
+    @pytest.fixture(scope="module", params=sorted(cases), name=name)
+    def checkpoint(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        return request.param, tiny_checkpoint(cases[request.param](), path), path
+
+    return checkpoint
 
 
 def shared_prefix_prompts(

@@ -9,7 +9,7 @@ LongRoPE's original context.
 from __future__ import annotations
 
 import pytest
-from parity import TINY, assert_greedy_parity, shared_prefix_prompts, tiny_checkpoint
+from parity import TINY, assert_greedy_parity, checkpoint_fixture, shared_prefix_prompts
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
@@ -115,10 +115,7 @@ ROUNDS = {"phi3-longrope": shared_prefix_prompts(prefix_len=24, lengths=(10, 16,
 MAX_TOKENS = {"phi3-longrope": 12, "mistral-window": 10}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, tiny_checkpoint(CASES[request.param](), path), path
+family = checkpoint_fixture(CASES, "family")
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

@@ -16,7 +16,7 @@ from pagedserve.server.layers.fused_moe import FusedMoE
 from pagedserve.server.loader import load_model
 from pagedserve.server.models.decoder import GatedMLP
 from pagedserve.server.models.registry import build_model
-from parity import TINY, assert_greedy_parity, random_hf_model, tiny_checkpoint
+from parity import TINY, assert_greedy_parity, checkpoint_fixture, random_hf_model
 from test_models import assert_matches_hf, backend_on_cpu, random_prompts
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
@@ -50,10 +50,7 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def moe_family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, tiny_checkpoint(CASES[request.param](), path), path
+moe_family = checkpoint_fixture(CASES, "moe_family")
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
