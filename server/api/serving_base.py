@@ -200,10 +200,13 @@ class OpenAIServing:
         """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request, and
         a constraint the grammar engine refuses is named by the field the request sent it in."""
         param = prompt_param if exc.param == "prompt" else exc.param
+        message = exc.message
         if request is not None and param is not None and param.startswith("structured_outputs"):
             field = constraint_field(request)  # the engine names structured_outputs.<kind>
-            param = param if field in (None, "structured_outputs") else field
-        return APIError(exc.message, 400, param=param, code=exc.code)
+            if field not in (None, "structured_outputs"):
+                message = message.replace(f"{param}: ", f"{field}: ", 1)
+                param = field
+        return APIError(message, 400, param=param, code=exc.code)
 
     # ---- prompts ------------------------------------------------------------------------------------
 
