@@ -17,7 +17,6 @@ class GrammarState:
     matcher: Any  # llguidance.LLMatcher
     vocab_size: int  # the width the token bitmask covers
     eos_token_ids: frozenset[int]  # the model's EOS ids: the grammar admits them once it is satisfied
-    num_accepted: int = 0
     finished: bool = False  # it took an EOS: the request ends with "stop", even with ignore_eos
 
     def accept(self, token_id: int) -> bool:
@@ -27,7 +26,6 @@ class GrammarState:
         so the front end treats it as any EOS (server/engine/output_processor.py leaves it out of the text).
         """
         accepted = bool(self.matcher.consume_token(token_id))
-        self.num_accepted += accepted
         self.finished = accepted and token_id in self.eos_token_ids
         return accepted
 
