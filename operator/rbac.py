@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.operator.resources import CHILD_KINDS, ROUTER_RULES
+from pagedserve.operator.resources import CHILD_KINDS, ROUTER_RULES, ROUTER_SCALE_RULES
 from pagedserve.operator.spec import GROUP, PLURAL
 
 # Children: read, create, server-side apply (patch), delete (operator/kube.py).
@@ -49,6 +49,9 @@ def operator_rules() -> list[dict[str, Any]]:
         *child_rules(),
         # What each router's Role grants: RBAC lets the operator grant only permissions it holds itself.
         *ROUTER_RULES,
+        # ... and with scale-from-zero: the scale subresource, which the operator also sets to 0 itself
+        # (operator/idle.py), and the routers' last-request annotation.
+        *ROUTER_SCALE_RULES,
         # Warning Events on failures (kopf posts core/v1 Events).
         _rule("", ["events"], ["create"]),
         # kopf itself: namespaces (for --namespace patterns) and CRDs (resources that appear later).

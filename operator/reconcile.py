@@ -8,11 +8,14 @@ no writes at all, and the status is written only when it changes.
 
 from __future__ import annotations
 
+import copy
+import datetime
 import logging
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from kubernetes.utils.quantity import parse_quantity
+from pagedserve.operator.idle import scale_down_due
 from pagedserve.operator.kube import Kube, KubeError
 from pagedserve.operator.policy import Policy, refusals
 from pagedserve.operator.resources import (
@@ -27,7 +30,13 @@ from pagedserve.operator.resources import (
     render,
     router_name,
 )
-from pagedserve.operator.spec import API_VERSION, PLURAL, format_validation_error, parse_spec
+from pagedserve.operator.spec import (
+    API_VERSION,
+    PLURAL,
+    ModelDeploymentSpec,
+    format_validation_error,
+    parse_spec,
+)
 from pagedserve.operator.status import compute_status, status_changed
 
 PODMONITOR_API = ("monitoring.coreos.com/v1", "podmonitors")
@@ -157,6 +166,7 @@ async def reconcile(
 
     try:
         spec = parse_spec(modeldeployment.get("spec"))
+        modeldeployment, spec = await scale_down_if_idle(kube, modeldeployment, spec, logger)
         with_podmonitor = await kube.served(*PODMONITOR_API)
         children = render(
             modeldeployment,
@@ -203,6 +213,32 @@ async def reconcile(
         if refs:
             logger.info(f"{verb} {', '.join(refs)}")
     return result
+
+
+async def scale_down_if_idle(
+    kube: Kube, modeldeployment: dict[str, Any], spec: ModelDeploymentSpec, logger: Any
+) -> tuple[dict[str, Any], ModelDeploymentSpec]:
+    """spec.scaleFromZero: set the scale subresource to 0 once no router recorded a request for the delay
+    (operator/idle.py decides); the rest of the round renders the 0. The patch carries the
+    resourceVersion the decision read: a router that recorded a request meanwhile makes it a 409, and the
+    fleet stays up."""
+    if not scale_down_due(spec, modeldeployment["metadata"], datetime.datetime.now(datetime.timezone.utc)):
+        return modeldeployment, spec
+    meta = modeldeployment["metadata"]
+    patch: dict[str, Any] = {"spec": {"replicas": 0}}
+    if meta.get("resourceVersion"):
+        patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
+    try:
+        await kube.merge_patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], patch, "scale")
+    except KubeError as error:
+        if error.status == 409:
+            return modeldeployment, spec  # a router wrote meanwhile: decide again next round
+        raise
+    assert spec.scale_from_zero is not None  # scale_down_due checked it
+    logger.info(f"no request for {spec.scale_from_zero.scale_down_delay_seconds}s: engines scaled to 0")
+    scaled = copy.deepcopy(modeldeployment)
+    scaled["spec"]["replicas"] = 0
+    return scaled, parse_spec(scaled["spec"])
 
 
 async def fail(

@@ -23,7 +23,16 @@ import hashlib
 import json
 from typing import Any
 
-from pagedserve.operator.spec import API_VERSION, KIND, ModelDeploymentSpec, parse_spec, quantity
+from pagedserve.operator.idle import activity_interval
+from pagedserve.operator.spec import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    ModelDeploymentSpec,
+    parse_spec,
+    quantity,
+)
 
 from pagedserve import __version__
 
@@ -83,6 +92,13 @@ CHILD_KINDS: dict[tuple[str, str], str] = {
 # operator/rbac.py grants the operator the same (RBAC lets it grant only what it holds itself).
 ROUTER_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+]
+# With spec.scaleFromZero the routers also wake the engines through their ModelDeployment's scale
+# subresource and record their last request in its annotation (router/activator.py); the Role limits
+# both to that one ModelDeployment (resourceNames). The operator holds them too, for every one.
+ROUTER_SCALE_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["get", "patch"]},
 ]
 
 
@@ -445,7 +461,18 @@ class _Context:
         tokenizer = self.router_tokenizer()
         if tokenizer is not None:
             args += ["--tokenizer", tokenizer]
-        return args + list(router.extra_args)
+        return args + self.scale_from_zero_args() + list(router.extra_args)
+
+    def scale_from_zero_args(self) -> list[str]:
+        zero = self.spec.scale_from_zero
+        if zero is None:
+            return []
+        return [
+            "--scale-from-zero", self.name,
+            "--max-held-requests", str(zero.max_held_requests),
+            "--held-request-timeout", str(zero.held_request_timeout_seconds),
+            "--activity-interval", str(activity_interval(zero.scale_down_delay_seconds)),
+        ]  # fmt: skip
 
     def router_deployment(self) -> dict[str, Any]:
         router = self.spec.router
@@ -534,8 +561,14 @@ class _Context:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": self.meta(router_name(self.name), "router"),
-            "rules": copy.deepcopy(ROUTER_RULES),
+            "rules": self.router_rules(),
         }
+
+    def router_rules(self) -> list[dict[str, Any]]:
+        rules = copy.deepcopy(ROUTER_RULES)
+        if self.spec.scale_from_zero is not None:
+            rules += [{**copy.deepcopy(rule), "resourceNames": [self.name]} for rule in ROUTER_SCALE_RULES]
+        return rules
 
     def router_role_binding(self) -> dict[str, Any]:
         return {
@@ -589,7 +622,9 @@ class _Context:
                 # The ModelDeployment's scale subresource: the HPA writes spec.replicas, the operator
                 # copies it to the engine Deployment, so the two never fight over the Deployment.
                 "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": self.name},
-                "minReplicas": scaling.min_replicas,
+                # At least 1: minReplicas 0 means scale-from-zero, whose 0 <-> 1 edge the routers and the
+                # operator own (operator/idle.py); the HPA rests while its target is at 0.
+                "minReplicas": max(1, scaling.min_replicas),
                 "maxReplicas": scaling.max_replicas,
                 "metrics": [
                     {

@@ -26,6 +26,8 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "ModelDeployment"
 PLURAL = "modeldeployments"
+# Written by each router with spec.scaleFromZero (router/scaler.py), read by the operator (operator/idle.py).
+LAST_REQUEST_ANNOTATION = f"{GROUP}/last-request-time"
 
 EMBEDDED_MODEL = "embedded"
 PVC_SCHEME = "pvc://"
@@ -213,7 +215,14 @@ class Autoscaling(CamelModel):
         )
     )
 
-    min_replicas: Int32 = Field(1, ge=1)
+    min_replicas: Int32 = Field(
+        1,
+        ge=0,
+        description=(
+            "0 needs spec.scaleFromZero: the HPA itself keeps at least 1 (an HPA cannot go to 0 without"
+            " an alpha feature gate); the routers and the operator own the 0 <-> 1 edge."
+        ),
+    )
     max_replicas: Int32 = Field(ge=1)
     target_waiting_requests: float = Field(
         5, gt=0, description="Average waiting requests per engine replica the HPA aims for."
@@ -229,6 +238,26 @@ class Autoscaling(CamelModel):
         if self.max_replicas < self.min_replicas:
             raise ValueError("autoscaling.maxReplicas must be >= autoscaling.minReplicas")
         return self
+
+
+class ScaleFromZero(CamelModel):
+    """Engine replicas that cost nothing while idle (KubeAI's names where it has them).
+
+    While no engine replica is ready, each router holds requests (up to ``maxHeldRequests``, each for at
+    most ``heldRequestTimeoutSeconds``) and sets the scale subresource from 0 to 1; after
+    ``scaleDownDelaySeconds`` without a request anywhere, the operator sets it back to 0."""
+
+    scale_down_delay_seconds: Int32 = Field(
+        600,
+        ge=1,
+        description="Seconds without a request (arriving, in flight or held) before the engines go to 0.",
+    )
+    max_held_requests: Int32 = Field(
+        100, ge=1, description="Requests each router replica holds while no engine is ready; more get 503."
+    )
+    held_request_timeout_seconds: Int32 = Field(
+        300, ge=1, description="How long a held request waits for a ready engine before it gets 503."
+    )
 
 
 class LocalObjectReference(CamelModel):
@@ -255,6 +284,13 @@ class EnvVar(CamelModel):
 
 
 class ModelDeploymentSpec(CamelModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.autoscaling) || self.autoscaling.minReplicas >= 1 || has(self.scaleFromZero)",
+            "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero",
+        )
+    )
+
     model: str = Field(
         min_length=1,
         max_length=1024,
@@ -311,6 +347,20 @@ class ModelDeploymentSpec(CamelModel):
             " Secrets reach the pods through hfTokenSecret and apiKeySecret."
         ),
     )
+    scale_from_zero: ScaleFromZero | None = Field(
+        None,
+        description=(
+            "Go to 0 engine replicas after scaleDownDelaySeconds without traffic, and back to 1 on the next"
+            " request, which the routers hold meanwhile."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _zero_needs_scale_from_zero(self) -> ModelDeploymentSpec:
+        scaling = self.autoscaling
+        if scaling is not None and scaling.min_replicas < 1 and self.scale_from_zero is None:
+            raise ValueError("autoscaling.minReplicas 0 needs spec.scaleFromZero")
+        return self
 
     @field_validator("model")
     @classmethod

@@ -127,6 +127,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-keepalive-connections", type=int, default=200, help="idle connections kept per replica"
     )
+    add_scale_from_zero_arguments(parser)
+
+
+def add_scale_from_zero_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scale from zero (router/activator.py)")
+    g.add_argument(
+        "--max-held-requests",
+        type=int,
+        default=0,
+        help="requests held while no replica is ready, released to the first that becomes ready; more "
+        "get 503 with Retry-After (default 0: 503 at once)",
+    )
+    g.add_argument(
+        "--held-request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a held request waits for a ready replica before it gets 503 with Retry-After",
+    )
+    g.add_argument(
+        "--scale-from-zero",
+        default=None,
+        metavar="MODELDEPLOYMENT",
+        help="wake this ModelDeployment (in --namespace) from 0 replicas through its scale subresource when "
+        "a request is held, and record the last request in its annotation for the operator's scale-down",
+    )
+    g.add_argument(
+        "--activity-interval",
+        type=float,
+        default=10.0,
+        help="with --scale-from-zero: seconds between the last-request annotation's updates",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -156,7 +187,17 @@ def config_from_args(args: argparse.Namespace):
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
         max_keepalive_connections=args.max_keepalive_connections,
+        **scale_from_zero_config(args),
     )
+
+
+def scale_from_zero_config(args: argparse.Namespace) -> dict:
+    return {
+        "max_held_requests": args.max_held_requests,
+        "held_request_timeout": args.held_request_timeout,
+        "scale_from_zero": args.scale_from_zero,
+        "activity_interval": args.activity_interval,
+    }
 
 
 def run(args: argparse.Namespace) -> int:

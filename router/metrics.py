@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+WAKE_UP_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -75,11 +76,44 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self._scale_from_zero_metrics(r)
         # Every reason from the start, so that the series exist (at 0) before the first decision.
         self._decision_children = {(reason,): self.decisions.labels(reason) for reason in REASONS}
         self._request_children: dict[tuple[str, ...], object] = {}
         self._retry_children: dict[tuple[str, ...], object] = {}
         self._in_flight_children: dict[tuple[str, ...], object] = {}
+
+    def _scale_from_zero_metrics(self, r: CollectorRegistry) -> None:
+        """Held requests while no engine replica is ready (router/activator.py)."""
+        self.held = Gauge(
+            "pagedserve_router_held_requests",
+            "Requests held now, waiting for an engine replica to become ready.",
+            registry=r,
+        )
+        self.held_total = Counter(
+            "pagedserve_router_requests_held", "Requests that were held for a ready replica.", registry=r
+        )
+        self.held_timeouts = Counter(
+            "pagedserve_router_held_request_timeouts",
+            "Held requests answered 503 because no replica became ready within --held-request-timeout.",
+            registry=r,
+        )
+        self.held_refused = Counter(
+            "pagedserve_router_held_requests_refused",
+            "Requests answered 503 at once: no ready replica and the hold queue full.",
+            registry=r,
+        )
+        self.wake_ups = Counter(
+            "pagedserve_router_wake_ups",
+            "Times this router set the ModelDeployment's scale from 0 to 1.",
+            registry=r,
+        )
+        self.wake_up_seconds = Histogram(
+            "pagedserve_router_wake_up_seconds",
+            "Time from the first held request to the first ready replica.",
+            buckets=WAKE_UP_BUCKETS,
+            registry=r,
+        )
 
     # Cached label children: `labels()` costs a lock and a dict build per call.
     @staticmethod

@@ -17,6 +17,10 @@ upstream connection: the replica aborts the request (``RouterApp.proxy``). A cli
 sending its body is never forwarded. A replica's answer is remembered for prefix affinity only when it is a
 success (2xx): a refused or failed request cached nothing there.
 
+While no replica is ready, requests can be held until one is (``--max-held-requests``; a full queue or a
+timeout gets 503 with Retry-After), and the engines woken from zero (``--scale-from-zero``):
+router/activator.py.
+
 The router's own errors use the engine server's OpenAI error JSON (server/api/errors.py), so a client
 sees one error shape whether the router or a replica refused it.
 Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready),
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pagedserve.router.activator import Activator, HeldRequestRefused
 from pagedserve.router.balancer import Balancer
 from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES, PromptHasher
@@ -107,6 +112,12 @@ class RouterConfig:
     read_timeout: float | None = None
     max_keepalive_connections: int = 200
     keepalive_expiry: float = 4.0  # below uvicorn's default keep-alive (5 s) of the engines
+    # Scale from zero (router/activator.py): hold requests while no replica is ready (0: answer 503 at
+    # once), and wake this ModelDeployment (in `namespace`) through its scale subresource.
+    max_held_requests: int = 0
+    held_request_timeout: float = 300.0
+    scale_from_zero: str | None = None
+    activity_interval: float = 10.0
 
     def validate(self) -> None:
         if not self.backends and not self.k8s_service:
@@ -127,6 +138,17 @@ class RouterConfig:
             raise ValueError("--index-capacity must be positive")
         if self.hash_key_blocks < 1:
             raise ValueError("--hash-key-blocks must be >= 1")
+        self._validate_scale_from_zero()
+
+    def _validate_scale_from_zero(self) -> None:
+        if self.max_held_requests < 0:
+            raise ValueError("--max-held-requests must be >= 0")
+        if self.held_request_timeout <= 0:
+            raise ValueError("--held-request-timeout must be positive")
+        if self.activity_interval <= 0:
+            raise ValueError("--activity-interval must be positive")
+        if self.scale_from_zero and self.max_held_requests == 0:
+            raise ValueError("--scale-from-zero needs --max-held-requests > 0 (requests wait for the wake)")
 
 
 CLIENT_DISCONNECT = "client_disconnect"  # the status label of a request whose client went away
@@ -164,6 +186,23 @@ async def _send_simple(send, status: int, body: bytes, content_type: bytes = b"a
     await send({"type": "http.response.body", "body": body})
 
 
+async def _send_held_refusal(send, refusal: HeldRequestRefused) -> None:
+    """503 with Retry-After: no replica is ready and the request cannot wait (any longer) for one."""
+    body = error_json(str(refusal), 503)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(refusal.retry_after).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
 class RouterApp:
     """The ASGI application. ``balancer``, ``metrics`` and ``monitor`` are exposed for tests."""
 
@@ -186,6 +225,7 @@ class RouterApp:
             hash_key_blocks=config.hash_key_blocks,
         )
         self.metrics = RouterMetrics()
+        self.activator = self._make_activator()
         if hasher is None and config.strategy == "prefix-hash":
             try:
                 hasher = PromptHasher(
@@ -212,6 +252,21 @@ class RouterApp:
         self._discovery: Any = None
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         self._started = False
+
+    def _make_activator(self) -> Activator:
+        cfg = self.config
+        scaler = None
+        if cfg.scale_from_zero:
+            from pagedserve.router.scaler import ModelDeploymentScaler
+
+            scaler = ModelDeploymentScaler(cfg.scale_from_zero, cfg.namespace)
+        return Activator(
+            self.metrics,
+            max_held=cfg.max_held_requests,
+            held_timeout=cfg.held_request_timeout,
+            scaler=scaler,
+            activity_interval=cfg.activity_interval,
+        )
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -246,6 +301,7 @@ class RouterApp:
             await asyncio.wait_for(self.monitor.check_all(), cfg.health_timeout + 1)
         self.monitor.sync()
         self._on_membership_change()
+        self.activator.start()
 
     def _default_discovery(self, balancer: Balancer, on_change: Callable[[], None]) -> Any:
         cfg = self.config
@@ -256,6 +312,7 @@ class RouterApp:
         return StaticDiscovery(balancer, cfg.backends, on_change)
 
     async def shutdown(self) -> None:
+        await self.activator.stop()
         if self._discovery is not None:
             await self._discovery.stop()
         if self.monitor is not None:
@@ -289,6 +346,7 @@ class RouterApp:
             ready += state.ready
         self.metrics.ready_backends.set(ready)
         self.metrics.backends.set(len(self.balancer.backends))
+        self.activator.on_ready(ready)
 
     # --- ASGI ------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -308,7 +366,7 @@ class RouterApp:
                 await _send_simple(send, 200, body)
             elif path == "/ready":
                 n = len(self.balancer.ready_urls())
-                if n:
+                if n or self.activator.can_hold():  # holding: it must be reachable to wake the engines
                     await _send_simple(send, 200, json.dumps({"status": "ok", "ready_backends": n}).encode())
                 else:
                     await _send_simple(send, 503, error_json("no ready backend", 503))
@@ -390,7 +448,8 @@ class RouterApp:
         exchange = Exchange()
         try:
             # A replica that fails mid-body raises out of here: uvicorn closes the client connection.
-            await run_unless_disconnected(receive, self._forward(scope, send, body, exchange))
+            with self.activator.track():
+                await run_unless_disconnected(receive, self._forward(scope, send, body, exchange))
         except ClientDisconnected:
             exchange.outcome = CLIENT_DISCONNECT
         finally:
@@ -433,6 +492,8 @@ class RouterApp:
 
         pool = self.upstream
         assert pool is not None, "router not started"
+        if not await self._hold_until_ready(send, exchange):
+            return
         tried = exchange.tried
         last_error = "no ready backend"
         decision = balancer.choose(hashes, tried)
@@ -496,6 +557,17 @@ class RouterApp:
                     response.close()
                 balancer.release(url)
                 gauge.dec()
+
+    async def _hold_until_ready(self, send, exchange: Exchange) -> bool:
+        """With holding on and no ready replica: wait for one (router/activator.py). False: answered 503."""
+        while self.activator.holding and not self.balancer.ready_urls():
+            try:
+                await self.activator.wait_for_ready()
+            except HeldRequestRefused as refusal:
+                exchange.backend, exchange.outcome = "none", "503"
+                await _send_held_refusal(send, refusal)
+                return False
+        return True
 
     async def _stream(
         self, send, response: UpstreamResponse, first: bytes, url: str, exchange: Exchange
