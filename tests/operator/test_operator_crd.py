@@ -146,6 +146,9 @@ def test_design_example_is_accepted() -> None:
             "spec.engine.maxNumBatchedTokens must be >= spec.engine.maxNumSeqs",
         ),
         ({"model": "pvc://Not_A_Claim/x"}, "spec.model"),
+        ({"autoscaling__minReplicas": 0}, "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero"),
+        ({"scaleFromZero": {"scaleDownDelaySeconds": 0}}, "spec.scaleFromZero.scaleDownDelaySeconds"),
+        ({"scaleFromZero": {"maxHeldRequests": 0}}, "spec.scaleFromZero.maxHeldRequests"),
     ],
 )
 def test_bad_specs_are_rejected_naming_the_field(changes: dict[str, Any], field: str) -> None:
@@ -179,6 +182,7 @@ def test_immutable_cache_fields_on_update() -> None:
         {"model": "embedded", "resources": {"gpus": 0}},
         {"model": "m", "autoscaling": {"maxReplicas": 3}, "modelCache": {}, "apiKeySecret": {"name": "k"}},
         {"model": "m", "resources": {"cpu": 8, "memory": "1Gi"}, "router": {"resources": {"cpu": "500m"}}},
+        {"model": "m", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "scaleFromZero": {}},
     ],
 )
 def test_crd_defaults_agree_with_the_typed_spec(spec: dict[str, Any]) -> None:

@@ -28,6 +28,8 @@ pytest.importorskip("kopf")
 
 from pagedserve.operator import render  # noqa: E402
 from pagedserve.operator.resources import CHILD_KINDS, HASH_ANNOTATION  # noqa: E402
+from pagedserve.operator.spec import LAST_REQUEST_ANNOTATION  # noqa: E402
+from pagedserve.router.scaler import format_time  # noqa: E402
 
 from pagedserve.testing.kubeconfig import kubeconfig_env  # noqa: E402
 
@@ -461,3 +463,52 @@ async def test_secret_env_is_refused_with_no_objects(
         assert await get(client, child_path(manifest)) is None, manifest["kind"]
     made = [path for method, path in emulator.log if method == "POST" and path != MD_PATH]
     assert all(path.endswith("/events") for path in made), made
+
+
+async def test_idle_scale_down_through_the_scale_subresource(
+    cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
+) -> None:
+    """spec.scaleFromZero: while a router keeps recording requests the engines stay; once it stops, the
+    operator's resync sets the scale subresource to 0 after the delay, the HPA keeps its floor of 1, and a
+    router's wake (the scale subresource back to 1) brings the engines back."""
+    emulator, client = cluster
+    md = modeldeployment(
+        "idle", scaleFromZero={"scaleDownDelaySeconds": 3}, autoscaling={"minReplicas": 0, "maxReplicas": 4}
+    )
+    md["metadata"]["annotations"] = {LAST_REQUEST_ANNOTATION: format_time(time.time())}
+    (await client.post(MD_PATH, json=md)).raise_for_status()
+    engine_path = f"/apis/apps/v1/namespaces/{NS}/deployments/idle-engine"
+    hpa_path = f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/idle"
+    merge = {"Content-Type": "application/merge-patch+json"}
+
+    async def engine_replicas(want: int) -> bool:
+        engine = await get(client, engine_path)
+        return bool(engine) and engine["spec"]["replicas"] == want
+
+    async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "idle") as log:
+        await eventually(lambda: engine_replicas(1), what="the engine Deployment at 1")
+        hpa = await eventually(lambda: get(client, hpa_path), what="the HPA")
+        assert hpa["spec"]["minReplicas"] == 1
+        # a router with requests in flight refreshes the annotation: longer than the delay, still up
+        for _ in range(10):
+            await merge_patch(
+                client, f"{MD_PATH}/idle",
+                {"metadata": {"annotations": {LAST_REQUEST_ANNOTATION: format_time(time.time())}}},
+            )  # fmt: skip
+            await asyncio.sleep(0.5)
+        assert (await get(client, f"{MD_PATH}/idle"))["spec"]["replicas"] == 1
+        assert not any(path.endswith("/idle/scale") for _, path in emulator.log)
+        # no more traffic: down to 0 through the scale subresource
+        await eventually(lambda: engine_replicas(0), timeout=15, what="the engine Deployment at 0")
+        assert (await get(client, f"{MD_PATH}/idle"))["spec"]["replicas"] == 0
+        assert ("PATCH", f"{MD_PATH}/idle/scale") in emulator.log
+        assert (await get(client, hpa_path))["spec"]["minReplicas"] == 1
+        # a router wakes it (router/scaler.py's two writes): the engines come back, and stay
+        stamp = {"metadata": {"annotations": {LAST_REQUEST_ANNOTATION: format_time(time.time())}}}
+        await merge_patch(client, f"{MD_PATH}/idle", stamp)
+        response = await client.patch(f"{MD_PATH}/idle/scale", json={"spec": {"replicas": 1}}, headers=merge)
+        response.raise_for_status()
+        await eventually(lambda: engine_replicas(1), what="the engine Deployment back at 1")
+        await asyncio.sleep(1)
+        assert await engine_replicas(1)
+        assert "no request for 3s: engines scaled to 0" in log.read_text()

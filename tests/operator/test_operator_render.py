@@ -44,6 +44,11 @@ SPECS: dict[str, dict[str, Any]] = {
     "cpu": md(model="embedded", resources={"gpus": 0}, router={"replicas": 1, "strategy": "round-robin"}),
     "autoscaling": md(replicas=2, autoscaling={"maxReplicas": 10, "targetWaitingRequests": 0.5}),
     "secrets": md(hfTokenSecret={"name": "hf"}, apiKeySecret={"name": "api", "key": "token"}),
+    "scale-from-zero": md(
+        replicas=0,
+        autoscaling={"minReplicas": 0, "maxReplicas": 4},
+        scaleFromZero={"scaleDownDelaySeconds": 120, "maxHeldRequests": 50},
+    ),
     "extra-args": md(
         engine={
             "extraArgs": ["--enforce-eager", "--seed", "7"],
