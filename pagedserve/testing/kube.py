@@ -47,6 +47,8 @@ KUBERNETES_MINORS = (OLDEST_KUBERNETES, NEWEST_KUBERNETES)
 QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 PMO_API_VERSION = "monitoring.coreos.com/v1"
 PMO_KINDS = ("PodMonitor", "ServiceMonitor", "PrometheusRule")
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+KEDA_KINDS = ("ScaledObject",)
 
 
 def _path(error: jsonschema.ValidationError) -> str:
@@ -121,13 +123,25 @@ def _forbid_unknown(node: Any) -> Any:
     return out
 
 
+def _cloudcoil_validator(model: Any) -> jsonschema.Draft202012Validator:
+    schema = _forbid_unknown(model.model_json_schema(by_alias=True))
+    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
+    return jsonschema.Draft202012Validator(schema)
+
+
 @functools.cache
 def pmo_validator(kind: str) -> jsonschema.Draft202012Validator:
     from cloudcoil.models.prometheus_operator import v1
 
-    schema = _forbid_unknown(getattr(v1, kind).model_json_schema(by_alias=True))
-    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
-    return jsonschema.Draft202012Validator(schema)
+    return _cloudcoil_validator(getattr(v1, kind))
+
+
+@functools.cache
+def keda_validator(kind: str) -> jsonschema.Draft202012Validator:
+    """KEDA's kinds (the chart's ScaledObjects), from the pydantic models generated from KEDA's CRDs."""
+    from cloudcoil.models.keda import v1alpha1
+
+    return _cloudcoil_validator(getattr(v1alpha1, kind))
 
 
 # -- CRDs: structural schema rules -----------------------------------------------------------------
@@ -316,6 +330,8 @@ def errors(manifest: dict[str, Any], minor: str) -> list[str]:
         return ([] if named else ["metadata.name: Required value"]) + md.errors(manifest)
     if api_version == PMO_API_VERSION and kind in PMO_KINDS:
         return sorted(describe(error) for error in pmo_validator(kind).iter_errors(manifest))
+    if api_version == KEDA_API_VERSION and kind in KEDA_KINDS:
+        return sorted(describe(error) for error in keda_validator(kind).iter_errors(manifest))
     if (api_version, kind) == ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
         return crd_errors(manifest, minor)
     return builtin_errors(manifest, minor)
