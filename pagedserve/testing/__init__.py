@@ -11,6 +11,8 @@ with no ``sys.path`` edits). Importing it never imports torch: the router's test
 - server_thread.py: ``ServerThread``, an ASGI app on uvicorn inside the test process
 - tiny_tokenizer.py: a byte-level tokenizer folder with a chat template (no hub, no torch)
 - kubeconfig.py: ``kubeconfig_env()``, a child's environment pointed at a local Kubernetes API (kmock)
+- kmock_cluster.py: ``emulated_cluster()``, kmock's emulator serving what the operator uses, and
+  ``running_operator()``, the real operator against it
 - openapi_fuzz.py: ``fuzz_openapi()``, schemathesis over a live server's /openapi.json
 - pod_security.py: ``restricted_violations()``, the Pod Security Standards "restricted" profile
 - sandbox.py: ``read_only_root()``, a process with a pod's read-only root filesystem (mount namespaces)

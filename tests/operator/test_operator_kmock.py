@@ -3,18 +3,14 @@
 The operator runs as a subprocess with a kubeconfig pointing at the emulator, exactly as it would run
 against a cluster; the test plays kubectl and the Deployment controller over HTTP.
 
-Emulator gaps worked around here: resources (v1/namespaces included, or kopf never starts watching) are
-declared up front; objects get metadata.uid/resourceVersion/generation from the test; there is no
-garbage collection, PUT or admission. Listing namespaces (GET /api/v1/namespaces) fails inside kmock 0.8,
-so the operator runs cluster-wide here (the --namespace mode differs only in kopf's watch URLs).
+The emulator and the operator process come from pagedserve/testing/kmock_cluster.py (its docstring lists
+the emulator's gaps); objects get metadata.uid/resourceVersion/generation from the test.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -31,32 +27,12 @@ from pagedserve.operator.resources import CHILD_KINDS, HASH_ANNOTATION  # noqa: 
 from pagedserve.operator.spec import LAST_REQUEST_ANNOTATION  # noqa: E402
 from pagedserve.router.scaler import format_time  # noqa: E402
 
-from pagedserve.testing.kubeconfig import kubeconfig_env  # noqa: E402
+from pagedserve.testing.kmock_cluster import Emulator, emulated_cluster, running_operator  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
 NS = "ml"
 MD_PATH = f"/apis/pagedserve.io/v1alpha1/namespaces/{NS}/modeldeployments"
-VERBS = {"get", "list", "watch", "create", "patch", "delete"}
-RESOURCES = {
-    "v1/namespaces": dict(kind="Namespace", namespaced=False),
-    "v1/events": dict(kind="Event", namespaced=True),
-    "v1/services": dict(kind="Service", namespaced=True),
-    "v1/serviceaccounts": dict(kind="ServiceAccount", namespaced=True),
-    "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True),
-    "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
-    "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", namespaced=True),
-    "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", namespaced=True),
-    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True),
-    "autoscaling/v2/horizontalpodautoscalers": dict(kind="HorizontalPodAutoscaler", namespaced=True),
-    "monitoring.coreos.com/v1/podmonitors": dict(kind="PodMonitor", namespaced=True),
-    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
-        kind="CustomResourceDefinition", namespaced=False
-    ),
-    "pagedserve.io/v1alpha1/modeldeployments": dict(
-        kind="ModelDeployment", namespaced=True, subresources={"status", "scale"}
-    ),
-}
 
 
 def modeldeployment(name: str = "m1", **spec: Any) -> dict[str, Any]:
@@ -103,61 +79,10 @@ async def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str 
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator with a bounded request history, a log of every request as (method, path),
-    and names for objects created with metadata.generateName (kopf's Events), as the API server does.
-
-    kmock matches each request by scanning the whole request history (quadratic: 60 ms per request
-    after a few hundred); the emulated objects live elsewhere, so a short history changes nothing.
-    """
-
-    HISTORY = 64
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.log: list[tuple[str, str]] = []
-
-    async def _handle(self, request: Any) -> Any:
-        self.log.append((request.method.upper(), request.url.path))
-        del self._requests[: -self.HISTORY]
-        meta = (
-            request.data.get("metadata")
-            if request.method == "POST" and isinstance(request.data, dict)
-            else None
-        )
-        if meta is not None and not meta.get("name") and meta.get("generateName"):
-            meta["name"] = f"{meta['generateName']}{len(self.log):05d}"
-        return await super()._handle(request)
-
-
 @pytest.fixture
 async def cluster() -> AsyncIterator[tuple[Emulator, httpx.AsyncClient]]:
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
-        for key, info in RESOURCES.items():
-            emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
-        async with httpx.AsyncClient(base_url=str(server.url).rstrip("/"), timeout=10) as client:
-            yield emulator, client
-
-
-@contextlib.asynccontextmanager
-async def running_operator(url: str, workdir: Path, tag: str) -> AsyncIterator[Path]:
-    env = kubeconfig_env(url, workdir)
-    log = workdir / f"operator-{tag}.log"
-    with log.open("w") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pagedserve.cli", "operator", "--resync-seconds", "1", "--verbose",
-            cwd=workdir, env=env, stdout=out, stderr=out,
-        )  # fmt: skip
-        try:
-            yield log
-        finally:
-            if proc.returncode is None:
-                proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 15)
-                except asyncio.TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+    async with emulated_cluster() as found:
+        yield found
 
 
 async def get(client: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
