@@ -64,6 +64,7 @@ class Activator:
         self._reported_at: float = float("-inf")  # monotonic, when it was written
         self._nudge = asyncio.Event()
         self._report_task: asyncio.Task[None] | None = None
+        metrics.max_held.set(max_held)
 
     @property
     def holding(self) -> bool:

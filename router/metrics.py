@@ -85,6 +85,12 @@ class RouterMetrics:
 
     def _scale_from_zero_metrics(self, r: CollectorRegistry) -> None:
         """Held requests while no engine replica is ready (router/activator.py)."""
+        self.max_held = Gauge(
+            "pagedserve_router_max_held_requests",
+            "--max-held-requests: requests this router holds while no replica is ready (0: holding off). "
+            "With holding on and nothing held, no ready replica is the idle state of scale from zero.",
+            registry=r,
+        )
         self.held = Gauge(
             "pagedserve_router_held_requests",
             "Requests held now, waiting for an engine replica to become ready.",

@@ -82,6 +82,14 @@ def test_alerts_fire_on_synthetic_series(tmp_path: Path) -> None:
         # Router: r-1 has no ready backend (alert), r-2 has two (quiet).
         (f'pagedserve_router_ready_backends{{{ns}, modeldeployment="a", pod="r-1"}}', "0x30"),
         (f'pagedserve_router_ready_backends{{{ns}, modeldeployment="a", pod="r-2"}}', "2x30"),
+        # Scale from zero: r-3 is idle at 0 engines, holding nothing (quiet); r-4 holds requests that
+        # no engine comes to serve (alert).
+        (f'pagedserve_router_ready_backends{{{ns}, modeldeployment="z", pod="r-3"}}', "0x30"),
+        (f'pagedserve_router_max_held_requests{{{ns}, modeldeployment="z", pod="r-3"}}', "100x30"),
+        (f'pagedserve_router_held_requests{{{ns}, modeldeployment="z", pod="r-3"}}', "0x30"),
+        (f'pagedserve_router_ready_backends{{{ns}, modeldeployment="z", pod="r-4"}}', "0x30"),
+        (f'pagedserve_router_max_held_requests{{{ns}, modeldeployment="z", pod="r-4"}}', "100x30"),
+        (f'pagedserve_router_held_requests{{{ns}, modeldeployment="z", pod="r-4"}}', "3x30"),
         # Backend errors: 10 % of e1's requests fail (alert); e2 only 0.5 % (quiet).
         (
             f'pagedserve_router_requests_total{{{ns}, modeldeployment="a", backend="e1", status="200"}}',
@@ -110,7 +118,10 @@ def test_alerts_fire_on_synthetic_series(tmp_path: Path) -> None:
         "PagedserveKVCacheNearFull": [_alert("warning", **ml, model_name="a", pod="a-1")],
         "PagedserveTTFTHigh": [_alert("warning", **ml, model_name="a")],
         "PagedserveReplicaDown": [_alert("critical", **ml, job="ml/a", container="engine", pod="a-1")],
-        "PagedserveRouterNoReadyBackends": [_alert("critical", **ml, modeldeployment="a", pod="r-1")],
+        "PagedserveRouterNoReadyBackends": [
+            _alert("critical", **ml, modeldeployment="a", pod="r-1"),
+            _alert("critical", **ml, modeldeployment="z", pod="r-4"),
+        ],
         "PagedserveRouterBackendErrors": [_alert("warning", **ml, modeldeployment="a", backend="e1")],
     }
     alert_names = {r["alert"] for g in groups for r in g["rules"]}
