@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import copy
 import importlib.util
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ MISSING = [
 if MISSING:
     pytest.skip(f"needs {', '.join(MISSING)}", allow_module_level=True)
 
-from pagedserve.testing.kmock_cluster import emulated_cluster, running_operator  # noqa: E402
+from pagedserve.testing.kmock_cluster import emulated_cluster, eventually, get, running_operator  # noqa: E402
 from pagedserve.testing.kubeconfig import kubeconfig_env  # noqa: E402
 
 NS, NAME = pods.NAMESPACE, pods.NAME
@@ -64,24 +63,6 @@ def modeldeployment() -> dict[str, Any]:
         "maxHeldRequests": 16,
     }
     return md
-
-
-async def get(kube: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
-    response = await kube.get(path)
-    if response.status_code == 404:
-        return None
-    response.raise_for_status()
-    return response.json()
-
-
-async def eventually(check, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Kubelet:

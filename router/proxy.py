@@ -175,12 +175,22 @@ async def _read_body(receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _send_simple(send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+async def _send_simple(
+    send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})
@@ -188,19 +198,8 @@ async def _send_simple(send, status: int, body: bytes, content_type: bytes = b"a
 
 async def _send_held_refusal(send, refusal: HeldRequestRefused) -> None:
     """503 with Retry-After: no replica is ready and the request cannot wait (any longer) for one."""
-    body = error_json(str(refusal), 503)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(refusal.retry_after).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    retry_after = ((b"retry-after", str(refusal.retry_after).encode()),)
+    await _send_simple(send, 503, error_json(str(refusal), 503), headers=retry_after)
 
 
 class RouterApp:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,29 @@ async def emulated_cluster() -> AsyncIterator[tuple[Emulator, httpx.AsyncClient]
             emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
         async with httpx.AsyncClient(base_url=str(server.url).rstrip("/"), timeout=10) as client:
             yield emulator, client
+
+
+async def get(client: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
+    """The object at ``path``, None when there is none."""
+    response = await client.get(path)
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    return response.json()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 20.0, what: str = "condition"
+) -> Any:
+    """Poll an async check until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 @contextlib.asynccontextmanager

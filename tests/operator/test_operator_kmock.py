@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,13 @@ from pagedserve.operator.resources import CHILD_KINDS, HASH_ANNOTATION  # noqa: 
 from pagedserve.operator.spec import LAST_REQUEST_ANNOTATION  # noqa: E402
 from pagedserve.router.scaler import format_time  # noqa: E402
 
-from pagedserve.testing.kmock_cluster import Emulator, emulated_cluster, running_operator  # noqa: E402
+from pagedserve.testing.kmock_cluster import (  # noqa: E402
+    Emulator,
+    emulated_cluster,
+    eventually,
+    get,
+    running_operator,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -67,30 +73,10 @@ def child_path(manifest: dict[str, Any]) -> str:
     return f"{prefix}/namespaces/{NS}/{plural}/{manifest['metadata']['name']}"
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    """Poll an async check until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
 @pytest.fixture
 async def cluster() -> AsyncIterator[tuple[Emulator, httpx.AsyncClient]]:
     async with emulated_cluster() as found:
         yield found
-
-
-async def get(client: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
-    response = await client.get(path)
-    if response.status_code == 404:
-        return None
-    response.raise_for_status()
-    return response.json()
 
 
 async def merge_patch(client: httpx.AsyncClient, path: str, patch: dict[str, Any]) -> dict[str, Any]:
