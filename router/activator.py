@@ -10,11 +10,11 @@ itself ready (``/ready``) whenever it can still hold: with 0 engines it must sta
 no request could ever reach it to wake them.
 
 Waking (``--scale-from-zero NAME``, with router/scaler.py): the first held request records activity on
-the ModelDeployment, then sets its scale subresource from 0 to 1 (one wake call at a time; each new held
-request retries one, in case the operator scaled down in between). Activity: the
-``pagedserve.io/last-request-time`` annotation, written at most once per ``--activity-interval`` while
-requests arrive, and every interval while any is in flight or held, so the operator (operator/idle.py)
-never scales down under a request, however long it runs.
+the ModelDeployment, then sets its scale subresource from 0 to 1 (one wake call at a time, at most one a
+second; each new held request, and every activity interval while any is held, tries again, in case the
+scale went back to 0). Activity: the ``pagedserve.io/last-request-time`` annotation, written at most
+once per ``--activity-interval`` while requests arrive, and every interval while any is in flight or
+held, so the operator (operator/idle.py) never scales down under a request, however long it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any
 from pagedserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
+
+WAKE_INTERVAL_S = 1.0  # at most one wake call (a read, two writes) per second, however many arrive
 
 
 class HeldRequestRefused(Exception):
@@ -59,6 +61,7 @@ class Activator:
         self._held: deque[asyncio.Future[None]] = deque()
         self._first_held_at: float | None = None  # monotonic, for the wake-up time
         self._wake_task: asyncio.Task[None] | None = None
+        self._woken_at = float("-inf")  # monotonic, the last wake call
         self._last_request: float = 0.0  # Unix time of the last arrival
         self._reported: float = 0.0  # the last time written to the annotation
         self._reported_at: float = float("-inf")  # monotonic, when it was written
@@ -147,6 +150,9 @@ class Activator:
     def wake(self) -> None:
         if self.scaler is None or (self._wake_task is not None and not self._wake_task.done()):
             return
+        if time.monotonic() - self._woken_at < WAKE_INTERVAL_S:
+            return
+        self._woken_at = time.monotonic()
         self._wake_task = asyncio.get_running_loop().create_task(self._wake())
 
     async def _wake(self) -> None:
@@ -164,6 +170,8 @@ class Activator:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._nudge.wait(), self.activity_interval)
             self._nudge.clear()
+            if self._held:
+                self.wake()  # still waiting: again, in case the scale went back to 0 since the last wake
             when = time.time() if self.active else self._last_request
             if when <= self._reported:
                 continue
