@@ -127,68 +127,107 @@ def test_held_request_whose_client_leaves_leaves_the_queue(tiny_tokenizer, serve
 
 kmock = pytest.importorskip("kmock")
 
+from pagedserve.testing.kmock_cluster import emulated_cluster, get  # noqa: E402
+
 NS = "ml"
 MD_PATH = f"/apis/pagedserve.io/v1alpha1/namespaces/{NS}/modeldeployments"
+STAMP = "pagedserve.io/last-request-time"
+
+
+def scale_from_zero_router(tmp_path: Path, url: str, port: int, tokenizer: str):
+    """`pagedserve router --scale-from-zero m1` in front of 127.0.0.1:port, against the emulator at url."""
+    return router_process(
+        tmp_path / "router.log", [f"http://127.0.0.1:{port}"], "--tokenizer", tokenizer,
+        "--health-interval", "0.2", "--namespace", NS, "--scale-from-zero", "m1",
+        "--max-held-requests", "4", "--held-request-timeout", "60", "--activity-interval", "0.5",
+        env=kubeconfig_env(url, tmp_path),
+    )  # fmt: skip
+
+
+def modeldeployment(replicas: int) -> dict:
+    return {
+        "apiVersion": "pagedserve.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "m1", "namespace": NS, "resourceVersion": "7"},
+        "spec": {"model": "embedded", "replicas": replicas, "scaleFromZero": {}},
+    }
 
 
 async def test_a_held_request_wakes_the_modeldeployment(tmp_path: Path, tiny_tokenizer):
     """`pagedserve router --scale-from-zero`: the first held request records activity, then sets the
     scale subresource from 0 to 1; the request is answered once the replica is there."""
     port = free_port()
-    async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
-        k8s.resources["pagedserve.io/v1alpha1/modeldeployments"] = kmock.ResourceInfo(
-            kind="ModelDeployment", namespaced=True, subresources={"status", "scale"},
-            verbs={"get", "list", "watch", "create", "patch", "delete"},
-        )  # fmt: skip
-        url = str(server.url).rstrip("/")
-        md = {
-            "apiVersion": "pagedserve.io/v1alpha1",
-            "kind": "ModelDeployment",
-            "metadata": {"name": "m1", "namespace": NS, "resourceVersion": "7"},
-            "spec": {"model": "embedded", "replicas": 0, "scaleFromZero": {}},
-        }
-        async with httpx.AsyncClient(base_url=url, timeout=10) as kube:
-            (await kube.post(MD_PATH, json=md)).raise_for_status()
-            router = router_process(
-                tmp_path / "router.log", [f"http://127.0.0.1:{port}"], "--tokenizer", tiny_tokenizer,
-                "--health-interval", "0.2", "--namespace", NS, "--scale-from-zero", "m1",
-                "--max-held-requests", "4", "--held-request-timeout", "60", "--activity-interval", "0.5",
-                env=kubeconfig_env(url, tmp_path),
-            )  # fmt: skip
+    async with emulated_cluster() as (emulator, kube):
+        (await kube.post(MD_PATH, json=modeldeployment(0))).raise_for_status()
+        router = scale_from_zero_router(tmp_path, str(kube.base_url).rstrip("/"), port, tiny_tokenizer)
+        await asyncio.to_thread(lambda: router.start().wait_ready(30))
+        replica: ServerThread | None = None
+        try:
+            async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
+                answer = asyncio.create_task(client.post("/v1/completions", json=PROMPT))
+
+                async def replicas() -> int:
+                    return (await get(kube, f"{MD_PATH}/m1"))["spec"]["replicas"]
+
+                deadline = time.monotonic() + 20
+                while await replicas() != 1:
+                    assert time.monotonic() < deadline, "the router did not wake the ModelDeployment"
+                    await asyncio.sleep(0.1)
+                assert ("PATCH", f"{MD_PATH}/m1/scale") in emulator.log
+                stamped = (await get(kube, f"{MD_PATH}/m1"))["metadata"]["annotations"]
+                assert stamped[STAMP].endswith("Z")
+                assert not answer.done()
+                replica = await asyncio.to_thread(ServerThread(FakeOpenAI(name="woken"), port=port).start)
+                response = await answer
+                assert response.status_code == 200, response.text
+                assert response.json()["backend"] == "woken"
+                # A scale that is not 0 is never touched (no scale-down from 3 to 1).
+                await kube.patch(
+                    f"{MD_PATH}/m1", json={"spec": {"replicas": 3}},
+                    headers={"Content-Type": "application/merge-patch+json"},
+                )  # fmt: skip
+                await asyncio.to_thread(replica.stop)
+                replica = None
+                held = asyncio.create_task(client.post("/v1/completions", json=PROMPT))
+                await asyncio.sleep(1.5)
+                assert await replicas() == 3
+                held.cancel()
+        finally:
+            if replica is not None:
+                await asyncio.to_thread(replica.stop)
+            await asyncio.to_thread(router.stop)
+    text = router.log_text()
+    assert "Traceback" not in text and "could not" not in text, text
+
+
+async def test_a_request_in_flight_keeps_the_activity_fresh(tmp_path: Path, tiny_tokenizer):
+    """The last-request annotation is refreshed on every interval while a request runs, however long,
+    so the operator's scale-down never sees a busy fleet as idle; once idle, it stops changing."""
+    backend = FakeOpenAI(name="slow")
+    backend.token_delay = 0.25  # 12 tokens: a 3 s stream
+    with ServerThread(backend) as replica:
+        async with emulated_cluster() as (_, kube):
+            (await kube.post(MD_PATH, json=modeldeployment(1))).raise_for_status()
+            url = str(kube.base_url).rstrip("/")
+            router = scale_from_zero_router(tmp_path, url, replica.port, tiny_tokenizer)
             await asyncio.to_thread(lambda: router.start().wait_ready(30))
-            replica: ServerThread | None = None
             try:
                 async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
-                    answer = asyncio.create_task(client.post("/v1/completions", json=PROMPT))
-
-                    async def replicas() -> int:
-                        return (await kube.get(f"{MD_PATH}/m1")).json()["spec"]["replicas"]
-
-                    deadline = time.monotonic() + 20
-                    while await replicas() != 1:
-                        assert time.monotonic() < deadline, "the router did not wake the ModelDeployment"
+                    body = {**PROMPT, "max_tokens": 12, "ignore_eos": True, "stream": True}
+                    answer = asyncio.create_task(client.post("/v1/completions", json=body))
+                    seen = set()
+                    while not answer.done():
+                        md = await get(kube, f"{MD_PATH}/m1")
+                        if STAMP in (md["metadata"].get("annotations") or {}):
+                            seen.add(md["metadata"]["annotations"][STAMP])
                         await asyncio.sleep(0.1)
-                    stamped = (await kube.get(f"{MD_PATH}/m1")).json()["metadata"]["annotations"]
-                    assert stamped["pagedserve.io/last-request-time"].endswith("Z")
-                    assert not answer.done()
-                    replica = await asyncio.to_thread(ServerThread(FakeOpenAI(name="woken"), port=port).start)
-                    response = await answer
-                    assert response.status_code == 200, response.text
-                    assert response.json()["backend"] == "woken"
-                    # A scale that is not 0 is never touched (no scale-down from 3 to 1).
-                    await kube.patch(
-                        f"{MD_PATH}/m1", json={"spec": {"replicas": 3}},
-                        headers={"Content-Type": "application/merge-patch+json"},
-                    )  # fmt: skip
-                    await asyncio.to_thread(replica.stop)
-                    replica = None
-                    held = asyncio.create_task(client.post("/v1/completions", json=PROMPT))
-                    await asyncio.sleep(1.5)
-                    assert await replicas() == 3
-                    held.cancel()
+                    assert (await answer).status_code == 200
+                    assert len(seen) >= 3, seen  # refreshed during the request, not only at its arrival
+                    await asyncio.sleep(1.0)  # the last refresh after the end lands
+                    last = (await get(kube, f"{MD_PATH}/m1"))["metadata"]["annotations"][STAMP]
+                    await asyncio.sleep(1.5)  # three intervals without requests: no more writes
+                    assert (await get(kube, f"{MD_PATH}/m1"))["metadata"]["annotations"][STAMP] == last
             finally:
-                if replica is not None:
-                    await asyncio.to_thread(replica.stop)
                 await asyncio.to_thread(router.stop)
     text = router.log_text()
     assert "Traceback" not in text and "could not" not in text, text
