@@ -2,6 +2,6 @@
 
 Modules: ``hashing`` (prompt -> chained block hashes), ``balancer`` (pure routing decisions: strategies,
 CHWBL ring, LRU index, load), ``discovery`` (static list, Kubernetes EndpointSlices, health checks and
-load scraping), ``proxy`` (the ASGI app), ``metrics`` (``pagedserve_router_*``), ``cli``
-(``pagedserve router``).
+load scraping), ``proxy`` (the ASGI app), ``activator`` (requests held while no replica is ready; scale
+from zero through ``scaler``), ``metrics`` (``pagedserve_router_*``), ``cli`` (``pagedserve router``).
 """

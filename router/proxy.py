@@ -23,7 +23,8 @@ router/activator.py.
 
 The router's own errors use the engine server's OpenAI error JSON (server/api/errors.py), so a client
 sees one error shape whether the router or a replica refused it.
-Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready),
+Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready, unless
+the router can still hold requests),
 ``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators),
 ``/openapi.json`` (router/openapi.py).
 """
