@@ -47,6 +47,10 @@ class KVIndex:
         """Blocks indexed over all replicas."""
         return sum(len(r.hashes) for r in self.replicas.values())
 
+    def blocks_of(self, url: str) -> int:
+        replica = self.replicas.get(url)
+        return len(replica.hashes) if replica is not None else 0
+
     def drop(self, url: str) -> None:
         self.replicas.pop(url, None)
 

@@ -395,6 +395,7 @@ class RouterApp:
                 "load": s.load,
                 "indexed_blocks": len(s.index),
                 "kv_events_synced": self.kv_index is not None and self.kv_index.synced(url),
+                "kv_indexed_blocks": self.kv_index.blocks_of(url) if self.kv_index is not None else 0,
                 "idle_connections": self.upstream.idle_connections(url) if self.upstream else 0,
             }
             for url, s in self.balancer.backends.items()
