@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from pagedserve.router.hashing import PromptHasher, hash_int
 from pagedserve.router.kv_index import KVIndex
 from pagedserve.server.core.block_hash import chain_hashes, salted_root
@@ -53,7 +52,7 @@ def test_stored_on_prefill_with_the_chain_the_router_computes() -> None:
     assert set(stored.block_hashes) == set(kv.pool.cached)
     assert kv.pool.take_events() == []  # taken once
     # A request sharing the first block stores only its new second block, chained to the first.
-    other = prompt[:4] + [7, 7, 7, 7, 7]
+    other = [*prompt[:4], 7, 7, 7, 7, 7]
     assert admit(kv, make_request("b", other, cache_salt="tenant"))
     (more,) = kv.pool.take_events()
     first = stored.block_hashes[0]
@@ -123,10 +122,13 @@ def kv_server(model_path: str):
     from pagedserve.server.api.app import ServerSettings, build_app
     from pagedserve.server.config import EngineConfig
     from pagedserve.server.engine.async_engine import AsyncEngine
+
     from pagedserve.testing.server_thread import ServerThread
 
     # A tiny pool (24 blocks of 16): a few prompts evict each other.
-    config = EngineConfig(model=model_path, enable_kv_events=True, num_gpu_blocks_override=24, max_model_len=256)
+    config = EngineConfig(
+        model=model_path, enable_kv_events=True, num_gpu_blocks_override=24, max_model_len=256
+    )
     engine = AsyncEngine.from_config(config)
     with ServerThread(build_app(engine, ServerSettings(access_log=False, api_key="k"))) as server:
         yield server, engine
