@@ -201,7 +201,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.create_detokenize(request)
 
-    app.include_router(kv_events_router)
+    app.include_router(kv_events_router, responses=_errors(*auth_errors))
 
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=[settings.api_key])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from pagedserve.server.api.errors import error_response
+from pagedserve.server.api.protocol import ErrorResponse
 from starlette.responses import Response, StreamingResponse
 
 NDJSON = "application/x-ndjson"
@@ -26,8 +27,8 @@ router = APIRouter()
             "description": "A JSON batch of KV events a line, the first a snapshot; empty lines: heartbeats",
             "content": {NDJSON: {"schema": {"type": "string"}}},
         },
-        404: {"description": "KV events are off (--enable-kv-events)"},
-        503: {"description": "Too many subscribers, or the server is shutting down"},
+        404: {"model": ErrorResponse, "description": "KV events are off (--enable-kv-events)"},
+        503: {"model": ErrorResponse, "description": "Too many subscribers, or the server is shutting down"},
     },
 )
 async def kv_events(raw_request: Request) -> Response:
