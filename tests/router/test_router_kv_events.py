@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import time
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from pagedserve.router.kv_events import KVEventSubscriptions
 from pagedserve.router.kv_index import GapError, KVIndex
 from pagedserve.server.core.block_hash import chain_hashes, salted_root, seed_hash
 
+from pagedserve.testing.net import wait_until
 from pagedserve.testing.processes import router_process, serve_process
 from pagedserve.testing.server_thread import ServerThread
 
@@ -220,15 +220,6 @@ def router_state(router) -> tuple[dict[str, dict], dict[str, float]]:
             name, value = line.rsplit(" ", 1)
             metrics[name] = metrics.get(name, 0.0) + float(value)
     return backends, metrics
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def decisions(router, reason: str) -> float:
