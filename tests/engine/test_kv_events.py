@@ -83,6 +83,28 @@ def test_no_events_are_kept_when_off() -> None:
     assert kv.pool.events is None and kv.pool.take_events() == []
 
 
+def test_flag_and_config() -> None:
+    import argparse
+
+    from pagedserve.server.api import cli
+    from pagedserve.server.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.engine_config(parser.parse_args(["--enable-kv-events"])).enable_kv_events
+    assert not cli.engine_config(parser.parse_args([])).enable_kv_events
+    with pytest.raises(ValueError, match="enable_kv_events needs enable_prefix_caching"):
+        EngineConfig(enable_kv_events=True, enable_prefix_caching=False)
+
+
+def test_offline_engine_keeps_no_events(model_path: str) -> None:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model_path, enable_kv_events=True, num_gpu_blocks_override=16)
+    llm.generate(["word " * 40], SamplingParams(max_tokens=2))
+    assert llm.engine.core.kv.pool.cached and llm.engine.core.kv.pool.events == []
+
+
 def lines_of(sub) -> list[dict]:
     out = []
     while not sub.queue.empty():
@@ -155,10 +177,15 @@ class Follower:
                 self.index.apply("e", self.batches[-1])
 
     async def wait(self, cond, what: str, timeout: float = 60) -> None:
+        assert not self.task.done() or cond(), self.task
+        await self.wait_for(lambda: cond() or self.task.done(), what, timeout)
+        assert cond(), self.task
+
+    @staticmethod
+    async def wait_for(cond, what: str, timeout: float = 60) -> None:
         for _ in range(int(timeout / 0.05)):
             if cond():
                 return
-            assert not self.task.done(), self.task
             await asyncio.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}")
 
@@ -213,3 +240,5 @@ async def test_stream_matches_the_cache_and_the_router_hashes(kv_server, model_p
             assert late_follower.held() == follower.held()
             assert late_follower.batches[0]["seq"] == follower.batches[-1]["seq"]
             follower.task.cancel()
+    # Gone subscribers leave nothing behind in the engine (the stream's generator ends on disconnect).
+    await Follower.wait_for(lambda: not engine.kv_events.subscribers, "subscriptions released")
