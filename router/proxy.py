@@ -269,6 +269,8 @@ class RouterApp:
         """--strategy kv-events: a KV event subscription per replica (kept in step with discovery)."""
         if self.kv_index is None:
             return
+        if self.hasher is None or self.hasher.tokenizer is None:
+            logger.warning("--strategy kv-events without the engines' tokenizer: routing by prefix-hash only")
         # Streams of their own: long-lived, without the health checks' timeouts or pool limits.
         self._kv_client = httpx.AsyncClient(
             timeout=None, trust_env=False, limits=httpx.Limits(max_connections=None)

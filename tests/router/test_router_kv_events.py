@@ -157,6 +157,40 @@ async def test_subscription_resyncs_after_a_gap_and_a_cut_stream():
     assert not index.synced(server.url)  # a stopped subscription leaves nothing behind
 
 
+# --- replicas without KV events: prefix-hash, never an error ---------------------------------------------
+def test_replicas_without_event_streams_are_routed_by_prefix_hash(tiny_tokenizer):
+    from pagedserve.router.proxy import RouterApp, RouterConfig
+
+    from pagedserve.testing.fake_openai import FakeOpenAI
+
+    backends = [ServerThread(FakeOpenAI(name=f"b{i}")).start() for i in range(3)]
+    config = RouterConfig(backends=[b.url for b in backends], tokenizer=tiny_tokenizer, model_name="m",
+                          strategy="kv-events", health_interval=0.2)  # fmt: skip
+    app = RouterApp(config)
+    try:
+        with ServerThread(app) as router, httpx.Client(base_url=router.url, timeout=30) as client:
+            homes: dict[int, set[str]] = {}
+            for user in range(3):
+                for tenant in range(4):
+                    messages = [
+                        {"role": "system", "content": f"tenant {tenant} " + "policy text " * 40},
+                        {"role": "user", "content": f"q{user}"},
+                    ]
+                    r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
+                    assert r.status_code == 200, r.text
+                    homes.setdefault(tenant, set()).add(r.json()["backend"])
+            assert all(len(v) == 1 for v in homes.values()), homes  # prefix affinity as under prefix-hash
+            assert not any(b["kv_events_synced"] for b in client.get("/backends").json())
+            assert app.kv_index is not None and app.kv_index.size() == 0
+            text = client.get("/metrics").text
+            assert 'pagedserve_router_routing_decisions_total{reason="prefix_hit"} 8.0' in text
+            assert 'pagedserve_router_routing_decisions_total{reason="kv_event_hit"} 0.0' in text
+            assert "pagedserve_router_kv_synced_backends 0.0" in text
+    finally:
+        for b in backends:
+            b.stop()
+
+
 # --- real engines behind a real router ------------------------------------------------------------------
 needs_engine = pytest.mark.skipif(
     importlib.util.find_spec("pagedserve.server.api.cli") is None, reason="`pagedserve serve` is missing"
