@@ -115,10 +115,11 @@ def run_setup(name: str, base_url: str, engines: list[str], args: argparse.Names
         "ttft_p50_ms": 1000 * percentile(ttfts, 50),
         "ttft_p90_ms": 1000 * percentile(ttfts, 90),
         "duration_s": elapsed,
+        "load_average": os.getloadavg()[0],  # the machine may be shared: quote figures with it
     }
     print(
         f"{name:12s} hit rate {result['hit_rate']:.3f}  TTFT p50 {result['ttft_p50_ms']:.0f} ms  "
-        f"p90 {result['ttft_p90_ms']:.0f} ms  ({elapsed:.0f} s)",
+        f"p90 {result['ttft_p90_ms']:.0f} ms  ({elapsed:.0f} s, load average {result['load_average']:.1f})",
         flush=True,
     )
     return result
