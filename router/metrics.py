@@ -40,7 +40,8 @@ class RouterMetrics:
         )
         self.matched_ratio = Histogram(
             "pagedserve_router_matched_prefix_ratio",
-            "Fraction of a prompt's full blocks found in the chosen backend's index (prefix-hash only).",
+            "Fraction of a prompt's full blocks found in the chosen backend's index, or that its engine "
+            "reports holding (prefix-hash, kv-events).",
             buckets=RATIO_BUCKETS,
             registry=r,
         )
