@@ -334,6 +334,8 @@ class _Context:
             args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
         if not engine.enable_prefix_caching:
             args.append("--no-enable-prefix-caching")
+        elif spec.router.strategy == "kv-events":  # the router subscribes to them (router/kv_events.py)
+            args.append("--enable-kv-events")
         return args + list(engine.extra_args)
 
     def engine_deployment(self) -> dict[str, Any]:

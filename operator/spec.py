@@ -157,7 +157,8 @@ class RouterResources(CamelModel):
 
 class Router(CamelModel):
     replicas: Int32 = Field(2, ge=0)
-    strategy: Literal["prefix-hash", "least-load", "round-robin"] = "prefix-hash"
+    # kv-events: the engines publish their KV events (--enable-kv-events) and the router routes on them.
+    strategy: Literal["prefix-hash", "least-load", "round-robin", "kv-events"] = "prefix-hash"
     mean_load_factor: float = Field(1.25, ge=1)
     image: str | None = Field(
         None,

@@ -22,6 +22,10 @@ else the CHWBL ring. No match: the CHWBL ring keyed by the prefix's hash (reason
 every router replica sends a new prefix to the same replica without sharing state. A prompt shorter
 than one block has nothing to match: least load.
 
+``kv-events``: as prefix-hash, but a replica whose engine streams its KV events (router/kv_index.py)
+is matched on what it really holds (``kv_matches``, from the proxy), not on the router's guess; the
+others keep their guessed index. A winner matched on real blocks is reason ``kv_event_hit``.
+
 The ring key is the chained hash of the first ``hash_key_blocks`` blocks (or of all full blocks, for a
 shorter prompt), and a match only counts as a prefix hit when it covers at least those blocks. With
 ``hash_key_blocks=1`` that is "the first block" literally; the default, 4 blocks (64 tokens at block size
@@ -38,7 +42,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-STRATEGIES = ("prefix-hash", "least-load", "round-robin")
+STRATEGIES = ("prefix-hash", "least-load", "round-robin", "kv-events")
 
 # Decision reasons (the `reason` label of pagedserve_router_routing_decisions_total).
 PREFIX_HIT = "prefix_hit"
@@ -46,7 +50,8 @@ HASH_RING = "hash_ring"
 OVERLOAD_FALLBACK = "overload_fallback"
 LEAST_LOAD = "least_load"
 ROUND_ROBIN = "round_robin"
-REASONS = (PREFIX_HIT, HASH_RING, OVERLOAD_FALLBACK, LEAST_LOAD, ROUND_ROBIN)
+KV_EVENT_HIT = "kv_event_hit"
+REASONS = (PREFIX_HIT, HASH_RING, OVERLOAD_FALLBACK, LEAST_LOAD, ROUND_ROBIN, KV_EVENT_HIT)
 
 
 def _h64(data: bytes) -> int:
@@ -330,9 +335,17 @@ class Balancer:
             state.index.insert(hashes)
 
     # --- choice ----------------------------------------------------------------------------------
-    def choose(self, hashes: Sequence[int] = (), exclude: Iterable[str] = ()) -> Decision | None:
+    def choose(
+        self,
+        hashes: Sequence[int] = (),
+        exclude: Iterable[str] = (),
+        kv_matches: dict[str, int] | None = None,
+    ) -> Decision | None:
         """The replica for a request with these block hashes, avoiding ``exclude`` (replicas already
-        tried). None when no ready replica is left."""
+        tried). ``kv_matches``: {url: leading blocks its engine reports holding}, for the replicas whose
+        KV events are synchronised (kv-events); they override the guessed index. None when no ready
+        replica is left."""
+        kv_matches = kv_matches or {}
         excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
         cands = [s for s in self.backends.values() if s.ready and s.url not in excluded]
         if not cands:
@@ -347,14 +360,22 @@ class Balancer:
 
         key_len = min(self.hash_key_blocks, len(hashes))
         key = hashes[key_len - 1]
+
+        def match(s: BackendState) -> int:
+            real = kv_matches.get(s.url)
+            return s.index.match(hashes) if real is None else real
+
+        def hit(s: BackendState) -> str:
+            return KV_EVENT_HIT if s.url in kv_matches else PREFIX_HIT
+
         if len(cands) == 1:
             only = cands[0]
-            matched = only.index.match(hashes)
-            return Decision(only.url, PREFIX_HIT if matched >= key_len else HASH_RING, matched)
+            matched = match(only)
+            return Decision(only.url, hit(only) if matched >= key_len else HASH_RING, matched)
 
         loads = {s.url: s.load for s in cands}
         bound = self.load_cap(loads.values())
-        matches = [(s.index.match(hashes), s) for s in cands]
+        matches = [(match(s), s) for s in cands]
         best_len = max(m for m, _ in matches)
         if best_len >= key_len:
             # Longest match first; equal matches: lower load; equal loads: at random.
@@ -362,7 +383,7 @@ class Balancer:
             matches.sort(key=lambda ms: (-ms[0], loads[ms[1].url], tie[ms[1].url]))
             top = matches[0][1]
             if loads[top.url] <= bound:
-                return Decision(top.url, PREFIX_HIT, best_len)
+                return Decision(top.url, hit(top), best_len)
             for m, s in matches[1:]:
                 if m < key_len:
                     break
@@ -371,7 +392,7 @@ class Balancer:
         url = self.ring.choose(key, loads, bound, excluded, self.rng)
         if url is None:  # pragma: no cover - cands are ring members
             url = self._least_loaded(cands).url
-        matched = self.backends[url].index.match(hashes)
+        matched = match(self.backends[url])
         if best_len >= key_len:  # the replicas holding the prefix were all over the bound
             return Decision(url, OVERLOAD_FALLBACK, matched)
         owner = next((o for o in self.ring.walk(key) if o not in excluded and o in loads), url)

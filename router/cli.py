@@ -91,7 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SEGMENT_CACHE_BYTES >> 20,
         help="memory for the token ids of prompt segments already tokenized (system prompts, ...), in MiB",
     )
-    g.add_argument("--strategy", default="prefix-hash", choices=STRATEGIES)
+    g.add_argument(
+        "--strategy",
+        default="prefix-hash",
+        choices=STRATEGIES,
+        help="prefix-hash: the router's guess of each replica's prefix cache; kv-events: what each engine "
+        "reports holding (engines started with --enable-kv-events; needs --tokenizer; replicas without a "
+        "live event stream fall back to prefix-hash; their API key is read from PAGEDSERVE_API_KEY)",
+    )
     g.add_argument(
         "--mean-load-factor",
         type=float,
@@ -188,6 +195,7 @@ def config_from_args(args: argparse.Namespace):
         read_timeout=args.read_timeout,
         max_keepalive_connections=args.max_keepalive_connections,
         **scale_from_zero_config(args),
+        engine_api_key=os.environ.get("PAGEDSERVE_API_KEY") or None,
     )
 
 

@@ -1,12 +1,15 @@
 """Prompt -> token ids -> chained block hashes, the router's view of the engines' prefix cache.
 
 The engine caches full KV blocks of ``block_size`` tokens, each found by a hash that chains the parent
-block's hash with the block's token ids, seeded by the model name. The router reproduces that chain
-(with its own hash function: only consistency between router processes matters) so that two prompts
-sharing a prefix share the hashes of its full blocks.
+block's hash with the block's token ids. The router uses the engine's own function
+(server/core/block_hash.py) so that two prompts sharing a prefix share the hashes of its full blocks and,
+under ``--strategy kv-events``, so that the hashes it computes from the engine's published root are the
+very hashes the engine reports (router/kv_index.py). Under ``prefix-hash`` the chain's root is a hash of
+the model name: only consistency between router processes matters there.
 
-Hashes are 64-bit ints from BLAKE2b, stable across processes and machines (never Python's ``hash()``,
-which is randomised per process: router replicas must agree without sharing state).
+Hashes are ints here (the 16-byte digests read little-endian): stable across processes and machines
+(never Python's ``hash()``, which is randomised per process: router replicas must agree without
+sharing state).
 
 Nothing here imports torch: the tokenizer is transformers' ``PreTrainedTokenizerFast`` (Rust
 ``tokenizers`` underneath), never ``AutoTokenizer``, which pulls in torch when it is installed.
@@ -17,7 +20,6 @@ Chat templates render as the engine renders them: in the engine server's bounded
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -27,54 +29,36 @@ from typing import Any
 
 from pagedserve.router.segment_cache import SegmentCache
 from pagedserve.server.api.chat_template import ChatTemplateRenderer, TemplateLimits, request_template
+from pagedserve.server.core import block_hash
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 DEFAULT_SEGMENT_CACHE_BYTES = 64 << 20
 
 
-def seed_hash(model_name: str) -> int:
-    """The root of every chain: a 64-bit hash of the model name."""
-    return int.from_bytes(hashlib.blake2b(model_name.encode(), digest_size=8).digest(), "little")
+def hash_int(digest: bytes) -> int:
+    """A block hash as the router keeps it (the balancer's ring reads its low 64 bits)."""
+    return int.from_bytes(digest, "little")
 
 
-def salted_seed(seed: int, cache_salt: Any) -> int:
+def seed_hash(model_name: str) -> bytes:
+    """The root of every chain under prefix-hash: a hash of the model name."""
+    return block_hash.seed_hash(model_name)
+
+
+def salted_seed(seed: bytes, cache_salt: Any) -> bytes:
     """The chain's root for a request with vLLM's ``cache_salt``: the engine salts its first block's
-    hash with it (server/core/kv_cache_manager.py), so different salts share no cached prefix."""
-    if not isinstance(cache_salt, str) or not cache_salt:
-        return seed
-    data = (seed & _MASK64).to_bytes(8, "little") + cache_salt.encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    hash with it (server/core/block_hash.py), so different salts share no cached prefix."""
+    return block_hash.salted_root(seed, cache_salt if isinstance(cache_salt, str) else None)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids``: h_i = H(h_{i-1} || tokens of block i).
 
     Only full blocks are hashed (the engine caches only full blocks); a prompt shorter than one block
     has no hashes.
     """
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    n_full = len(token_ids) // block_size
-    if n_full == 0:
-        return []
-    # One contiguous buffer of uint32 (or uint64 for huge vocabularies); block i is a byte slice of it.
-    try:
-        buf = array("I", token_ids[: n_full * block_size]).tobytes()
-        width = 4
-    except OverflowError:
-        buf = array("Q", token_ids[: n_full * block_size]).tobytes()
-        width = 8
-    step = block_size * width
-    blake = hashlib.blake2b
-    out: list[int] = []
-    parent = (seed & _MASK64).to_bytes(8, "little")
-    for i in range(n_full):
-        digest = blake(parent + buf[i * step : (i + 1) * step], digest_size=8).digest()
-        out.append(int.from_bytes(digest, "little"))
-        parent = digest
-    return out
+    return [hash_int(d) for d in block_hash.chain_hashes(token_ids, block_size, seed)]
 
 
 def _text_of(content: Any) -> Any:
@@ -270,8 +254,10 @@ class PromptHasher:
         ids = self.token_ids_for(path, body)
         if not ids:
             return [], 0
-        seed = salted_seed(self.seed, body.get("cache_salt"))
-        return block_hashes(ids, self.block_size, seed), len(ids)
+        return self.hashes_of(ids, body.get("cache_salt")), len(ids)
+
+    def hashes_of(self, token_ids: Sequence[int], cache_salt: Any) -> list[int]:
+        return block_hashes(token_ids, self.block_size, salted_seed(self.seed, cache_salt))
 
 
 def load_tokenizer(name_or_path: str) -> Any:

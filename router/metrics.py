@@ -27,7 +27,8 @@ class RouterMetrics:
         )
         self.decisions = Counter(
             "pagedserve_router_routing_decisions",
-            "Routing decisions by reason: prefix_hit, hash_ring, overload_fallback, least_load, round_robin.",
+            "Routing decisions by reason: prefix_hit, hash_ring, overload_fallback, least_load, round_robin, "
+            "kv_event_hit (a match on the blocks an engine reported in its KV events).",
             ["reason"],
             registry=r,
         )
@@ -40,7 +41,8 @@ class RouterMetrics:
         )
         self.matched_ratio = Histogram(
             "pagedserve_router_matched_prefix_ratio",
-            "Fraction of a prompt's full blocks found in the chosen backend's index (prefix-hash only).",
+            "Fraction of a prompt's full blocks found in the chosen backend's index, or that its engine "
+            "reports holding (prefix-hash, kv-events).",
             buckets=RATIO_BUCKETS,
             registry=r,
         )
@@ -77,6 +79,7 @@ class RouterMetrics:
             registry=r,
         )
         self._scale_from_zero_metrics(r)
+        self._add_kv_event_metrics(r)
         # Every reason from the start, so that the series exist (at 0) before the first decision.
         self._decision_children = {(reason,): self.decisions.labels(reason) for reason in REASONS}
         self._request_children: dict[tuple[str, ...], object] = {}
@@ -118,6 +121,31 @@ class RouterMetrics:
             "pagedserve_router_wake_up_seconds",
             "Time from the first held request to the first ready replica.",
             buckets=WAKE_UP_BUCKETS,
+            registry=r,
+        )
+
+    def _add_kv_event_metrics(self, r: CollectorRegistry) -> None:
+        """--strategy kv-events (router/kv_events.py, router/kv_index.py)."""
+        self.kv_events = Counter(
+            "pagedserve_router_kv_events",
+            "KV events received from the engines' streams (snapshots included).",
+            registry=r,
+        )
+        self.kv_resyncs = Counter(
+            "pagedserve_router_kv_event_resyncs",
+            "Replicas whose KV index was dropped to resynchronise, by reason: stream_end (engine restart, "
+            "dropped as slow), gap (a lost batch), error (connection failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "pagedserve_router_kv_index_blocks",
+            "Blocks in the KV-event index, over all replicas.",
+            registry=r,
+        )
+        self.kv_synced_backends = Gauge(
+            "pagedserve_router_kv_synced_backends",
+            "Backends whose KV event stream is live and synchronised.",
             registry=r,
         )
 

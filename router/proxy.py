@@ -1,9 +1,11 @@
 """The router's HTTP front: a lean ASGI app (served by uvicorn) that proxies every ``/v1/*`` route.
 
-Per request: read the body; for ``/v1/chat/completions`` and ``/v1/completions`` under ``prefix-hash``,
-hash the prompt's blocks; pick a replica (``Balancer.choose``); forward method, path, query, body and
-headers (Authorization included; hop-by-hop headers dropped) over a keep-alive pool per replica
-(``upstream.py``); pass the response through chunk by chunk as it arrives (no buffering, no re-encoding).
+Per request: read the body; for ``/v1/chat/completions`` and ``/v1/completions`` under ``prefix-hash``
+or ``kv-events``, hash the prompt's blocks (and, under ``kv-events``, match its token ids against the
+blocks each engine reports holding: router/kv_events.py, router/kv_index.py); pick a replica
+(``Balancer.choose``); forward method, path, query, body and headers (Authorization included;
+hop-by-hop headers dropped) over a keep-alive pool per replica (``upstream.py``); pass the response
+through chunk by chunk as it arrives (no buffering, no re-encoding).
 
 Retries: until the first byte of a response body has been sent to the client, a replica that refuses the
 connection, drops it, or answers 503 is replaced by the next choice (at most ``max_retries`` times, never
@@ -46,6 +48,8 @@ from pagedserve.router.activator import Activator, HeldRequestRefused
 from pagedserve.router.balancer import Balancer
 from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES, PromptHasher
+from pagedserve.router.kv_events import KVEventSubscriptions
+from pagedserve.router.kv_index import KVIndex
 from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.openapi import openapi_json
 from pagedserve.router.upstream import (
@@ -63,6 +67,7 @@ from pagedserve.server.api.errors import error_json_bytes as error_json
 logger = logging.getLogger(__name__)
 
 HASHED_PATHS = ("/v1/chat/completions", "/v1/completions")
+HASHED_STRATEGIES = ("prefix-hash", "kv-events")
 
 _HOP_BY_HOP = frozenset(
     {
@@ -119,6 +124,7 @@ class RouterConfig:
     held_request_timeout: float = 300.0
     scale_from_zero: str | None = None
     activity_interval: float = 10.0
+    engine_api_key: str | None = None  # the engines' --api-key, for their KV event streams
 
     def validate(self) -> None:
         if not self.backends and not self.k8s_service:
@@ -226,7 +232,7 @@ class RouterApp:
         )
         self.metrics = RouterMetrics()
         self.activator = self._make_activator()
-        if hasher is None and config.strategy == "prefix-hash":
+        if hasher is None and config.strategy in HASHED_STRATEGIES:
             try:
                 hasher = PromptHasher(
                     config.tokenizer,
@@ -252,6 +258,9 @@ class RouterApp:
         self._discovery: Any = None
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         self._started = False
+        self.kv_index = KVIndex() if config.strategy == "kv-events" else None
+        self.kv_events: KVEventSubscriptions | None = None
+        self._kv_client: httpx.AsyncClient | None = None
 
     def _make_activator(self) -> Activator:
         cfg = self.config
@@ -294,6 +303,7 @@ class RouterApp:
             unhealthy_after=cfg.unhealthy_after,
             on_change=self._on_membership_change,
         )
+        self._start_kv_events()
         self._discovery = self._discovery_factory(self.balancer, self._on_discovery_change)
         await self._discovery.start()
         # One round of checks before serving, so that dead static backends are not tried first.
@@ -311,8 +321,39 @@ class RouterApp:
             )
         return StaticDiscovery(balancer, cfg.backends, on_change)
 
+    def _start_kv_events(self) -> None:
+        """--strategy kv-events: a KV event subscription per replica (kept in step with discovery)."""
+        if self.kv_index is None:
+            return
+        if self.hasher is None or self.hasher.tokenizer is None:
+            logger.warning("--strategy kv-events without the engines' tokenizer: routing by prefix-hash only")
+        # Streams of their own: long-lived, without the health checks' timeouts or pool limits.
+        self._kv_client = httpx.AsyncClient(
+            timeout=None, trust_env=False, limits=httpx.Limits(max_connections=None)
+        )
+        metrics = self.metrics
+        self.kv_events = KVEventSubscriptions(
+            self.kv_index,
+            self._kv_client,
+            api_key=self.config.engine_api_key,
+            on_batch=lambda url, n: metrics.kv_events.inc(n),
+            on_resync=lambda url, reason: metrics.kv_resyncs.labels(reason).inc(),
+        )
+
+    def _kv_matches(self, token_ids: list[int], cache_salt: Any) -> dict[str, int] | None:
+        if self.kv_index is None or self.hasher is None or self.hasher.tokenizer is None:
+            return None  # without the engines' tokenizer, no hash can match theirs
+        return self.kv_index.matches(token_ids, cache_salt, list(self.balancer.backends))
+
+    async def _stop_kv_events(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+        if self._kv_client is not None:
+            await self._kv_client.aclose()
+
     async def shutdown(self) -> None:
         await self.activator.stop()
+        await self._stop_kv_events()
         if self._discovery is not None:
             await self._discovery.stop()
         if self.monitor is not None:
@@ -330,6 +371,8 @@ class RouterApp:
         for url in self._known_backends - known:
             self._forget_backend(url)
         self._known_backends = known
+        if self.kv_events is not None:
+            self.kv_events.sync(known)
         self._on_membership_change()
 
     def _forget_backend(self, url: str) -> None:
@@ -373,6 +416,9 @@ class RouterApp:
             elif path == "/metrics":
                 for url, state in self.balancer.backends.items():
                     self.metrics.backend_load.labels(url).set(state.load)
+                if self.kv_index is not None:
+                    self.metrics.kv_index_blocks.set(self.kv_index.size())
+                    self.metrics.kv_synced_backends.set(len(self.kv_index.replicas))
                 await _send_simple(send, 200, self.metrics.render(), self.metrics.content_type.encode())
             elif path == "/backends":
                 await _send_simple(send, 200, json.dumps(self.backends_snapshot()).encode())
@@ -408,24 +454,31 @@ class RouterApp:
                 "kv_cache_usage": s.kv_usage,
                 "load": s.load,
                 "indexed_blocks": len(s.index),
+                "kv_events_synced": self.kv_index is not None and self.kv_index.synced(url),
+                "kv_indexed_blocks": self.kv_index.blocks_of(url) if self.kv_index is not None else 0,
                 "idle_connections": self.upstream.idle_connections(url) if self.upstream else 0,
             }
             for url, s in self.balancer.backends.items()
         ]
 
     # --- the proxy -------------------------------------------------------------------------------
-    def _hashes(self, path: str, body: bytes) -> list[int]:
+    def _hashes(self, path: str, body: bytes) -> tuple[list[int], dict[str, int] | None]:
+        """The prompt's block hashes and, under kv-events, each synchronised replica's real match."""
         if self.hasher is None or path not in HASHED_PATHS or not body:
-            return []
+            return [], None
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
-            return []  # the engine will answer 400
+            return [], None  # the engine will answer 400
         try:
-            return self.hasher.hashes_for(path, parsed)[0]
+            ids = self.hasher.token_ids_for(path, parsed)
+            if not ids:
+                return [], None
+            salt = parsed.get("cache_salt")
+            return self.hasher.hashes_of(ids, salt), self._kv_matches(ids, salt)
         except Exception:  # never fail a request because the router could not hash it
             logger.debug("hashing failed", exc_info=True)
-            return []
+            return [], None
 
     async def proxy(self, scope, receive, send) -> None:
         """One ``/v1/*`` request. After the body is read, the forwarding runs while another task waits for
@@ -482,12 +535,13 @@ class RouterApp:
         path = scope["path"]
         method = scope["method"]
         hashes: list[int] = []
+        kv_matches: dict[str, int] | None = None
         if method == "POST" and self.hasher is not None and path in HASHED_PATHS:
             # A long prompt, or a request's own template (up to its render bound): keep the loop serving.
             if len(body) > _TOKENIZE_INLINE_MAX or b"chat_template" in body:
-                hashes = await asyncio.to_thread(self._hashes, path, body)
+                hashes, kv_matches = await asyncio.to_thread(self._hashes, path, body)
             else:
-                hashes = self._hashes(path, body)
+                hashes, kv_matches = self._hashes(path, body)
         target, req_headers = self._upstream_request(scope)
 
         pool = self.upstream
@@ -496,7 +550,7 @@ class RouterApp:
             return
         tried = exchange.tried
         last_error = "no ready backend"
-        decision = balancer.choose(hashes, tried)
+        decision = balancer.choose(hashes, tried, kv_matches)
         while True:
             if decision is None:
                 exchange.backend, exchange.outcome = "none", "503"
@@ -516,7 +570,7 @@ class RouterApp:
                 try:
                     response = await pool.request(url, method, target, req_headers, body)
                     if response.status == 503 and can_retry:
-                        nxt = balancer.choose(hashes, tried)
+                        nxt = balancer.choose(hashes, tried, kv_matches)
                         if nxt is not None:
                             last_error = f"{url}: 503"
                             metrics.retry(url, "status_503")
@@ -531,12 +585,12 @@ class RouterApp:
                     if balancer.set_healthy(url, False):
                         logger.warning("backend %s refused the connection: it leaves the ring", url)
                         self._on_membership_change()
-                    decision = balancer.choose(hashes, tried) if can_retry else None
+                    decision = balancer.choose(hashes, tried, kv_matches) if can_retry else None
                     continue
                 except (UpstreamDisconnect, UpstreamProtocolError) as exc:
                     last_error = f"{url}: {exc}"
                     metrics.retry(url, "disconnect")
-                    decision = balancer.choose(hashes, tried) if can_retry else None
+                    decision = balancer.choose(hashes, tried, kv_matches) if can_retry else None
                     continue
                 except UpstreamTimeout as exc:
                     exchange.outcome = "504"

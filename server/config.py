@@ -40,6 +40,10 @@ class EngineConfig:
     # "triton" | "cpu" | "torch"; None: $PAGEDSERVE_ATTENTION_BACKEND, else by device (server/backend.py).
     # The engine sets it to the backend it runs.
     attention_backend: str | None = None
+    # Publish KV cache events on GET /v1/kv_events (server/engine/kv_events.py) for the router's
+    # kv-events strategy. vLLM configures its ZMQ publisher with --kv-events-config; ours is one stream
+    # on the engine's own port, so a switch is all there is to say.
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -56,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.enable_kv_events and not self.enable_prefix_caching:
+            raise ValueError("enable_kv_events needs enable_prefix_caching: without it no block is cached")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -49,3 +49,13 @@ def wait_http(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} did not answer 200 within {timeout} s:\n{log_tail(log)}")
         time.sleep(interval)
+
+
+def wait_until(cond, timeout: float, what: str, interval: float = 0.25) -> None:
+    """Poll ``cond()`` until it is true; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for: {what}")

@@ -19,6 +19,7 @@ from pagedserve.server.api.auth import APIKeyMiddleware
 from pagedserve.server.api.chat_template import ChatTemplateRenderer, TemplateLimits
 from pagedserve.server.api.errors import error_response, install_error_handlers
 from pagedserve.server.api.graceful_stop import GracefulStop
+from pagedserve.server.api.kv_events import router as kv_events_router
 from pagedserve.server.api.metrics import ServerMetrics
 from pagedserve.server.api.protocol import (
     ChatCompletionRequest,
@@ -199,6 +200,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, *auth_errors, 404))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.create_detokenize(request)
+
+    app.include_router(kv_events_router, responses=_errors(*auth_errors))
 
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=[settings.api_key])

@@ -160,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="request defaults from generation_config.json: auto (the model's), vllm (none) or a folder",
     )
+    engine.add_argument(
+        "--enable-kv-events",
+        action="store_true",
+        help="publish KV cache events (blocks stored, removed, cleared) on GET /v1/kv_events, for "
+        "`pagedserve router --strategy kv-events`",
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -183,6 +189,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         generation_config=args.generation_config,
+        enable_kv_events=args.enable_kv_events,
     )
 
 

@@ -3,12 +3,19 @@
 A block whose ref count drops to zero joins the free queue but keeps its hash, so a later request with
 the same prefix can take it back; blocks are reused from the front of the queue (least recently freed),
 which is what makes eviction LRU.
+
+With ``enable_kv_events`` the pool records what routers need to know of its hash map as KV events
+(server/engine/kv_events.py): a block evicted from it, or the whole map forgotten. The KV manager records
+the stores, which need the token ids the pool does not hold. Recording is a list append on the engine
+thread; the async engine takes the list after each step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from pagedserve.server.engine.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
 @dataclass(eq=False)
@@ -19,8 +26,9 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_kv_events: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.events: list[KVEvent] | None = [] if enable_kv_events else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
@@ -61,18 +69,35 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Make the block findable by its hash; False if it was, or an identical block already is (the
+        first is kept)."""
         if block.block_hash is not None or block_hash in self.cached:
-            return  # already findable, or an identical block already is: keep the first
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
+        events, self.events = self.events, None  # one AllBlocksCleared instead of a removal per block
         for block in self.blocks:
             self._evict(block)
+        self.events = events
+        if events is not None:
+            events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call (none without ``enable_kv_events``)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None

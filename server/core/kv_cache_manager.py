@@ -19,31 +19,16 @@ is the full answer there.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from pagedserve.server.core.block_hash import hash_block, salted_root, seed_hash
 from pagedserve.server.core.block_pool import Block, BlockPool
+from pagedserve.server.engine.kv_events import BlockStored
 from pagedserve.server.request import Request
 
 if TYPE_CHECKING:  # the block bookkeeping needs no torch
     from pagedserve.server.layers.attention import Attention
-
-
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-def seed_hash(model_seed: str) -> bytes:
-    return hashlib.blake2b(model_seed.encode(), digest_size=16).digest()
-
-
-def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:
-    """The parent of a request's first block: the model's root, mixed with the salt when there is one."""
-    if cache_salt is None:
-        return root_hash
-    return hashlib.blake2b(root_hash + cache_salt.encode(), digest_size=16).digest()
 
 
 def uniform_sliding_window(attention_layers: Iterable[Attention]) -> int | None:
@@ -62,11 +47,12 @@ class KVCacheManager:
         enable_caching: bool,
         hash_seed: str,
         sliding_window: int | None = None,
+        enable_kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_kv_events=enable_kv_events)
         # Stands in the block table for blocks freed behind the window; held for good, never cached.
         self.null_block: Block | None = self.pool.allocate(1)[0] if sliding_window is not None else None
         self.root_hash = seed_hash(hash_seed)
@@ -188,7 +174,32 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._full_block_hashes(request)
+        stored = []
         for i in range(done, num_full):
-            if blocks[i] is not self.null_block:  # a hit past the window: its block was never taken
-                self.pool.cache(blocks[i], hashes[i])
+            # A hit past the window (null) was never taken; cache() is False for blocks already findable.
+            if blocks[i] is not self.null_block and self.pool.cache(blocks[i], hashes[i]):
+                stored.append(i)
         self.req_num_cached[request.request_id] = num_full
+        if stored and self.pool.events is not None:
+            self._record_stored(request, hashes, stored)
+
+    def _record_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly stored blocks (vLLM's shape: a chain with the
+        parent of its first block)."""
+        size = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.pool.events.append(
+                BlockStored(
+                    block_hashes=[hashes[i] for i in run],
+                    parent_block_hash=hashes[first - 1] if first > 0 else None,
+                    token_ids=request.token_slice(first * size, (last + 1) * size),
+                    block_size=size,
+                )
+            )

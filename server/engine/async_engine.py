@@ -6,6 +6,9 @@ queue; the core's state is only ever touched there. After each step the thread h
 core outputs back with one ``call_soon_threadsafe``; the output processor turns it into RequestOutputs
 on the loop and puts each into its request's asyncio queue. A stream that is closed before its request
 finished aborts it, so its KV blocks return within one step.
+
+With ``enable_kv_events`` the thread takes the KV events each step recorded (a list swap) and hands them
+over the same way, to the publisher that serves GET /v1/kv_events (server/engine/kv_events.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import EngineDeadError, StepError
+from pagedserve.server.engine.kv_events import KVEventPublisher
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import (
@@ -81,8 +85,15 @@ class RequestStream:
 class AsyncEngine:
     """The real ``EngineClient`` (server/engine/protocol.py)."""
 
-    def __init__(self, core: EngineCore, tokenizer: Any, processor: Processor) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Any,
+        processor: Processor,
+        kv_events: KVEventPublisher | None = None,
+    ) -> None:
         self.core = core
+        self.kv_events = kv_events  # None: KV events are off
         self._tokenizer = tokenizer
         self.processor = processor
         self.output_processor = OutputProcessor(tokenizer)
@@ -102,7 +113,10 @@ class AsyncEngine:
 
         core = EngineCore(config)
         tokenizer = load_tokenizer(config, core)
-        return cls(core, tokenizer, make_processor(core, tokenizer))
+        kv_events = None
+        if config.enable_kv_events:
+            kv_events = KVEventPublisher(config.block_size, core.kv.root_hash)
+        return cls(core, tokenizer, make_processor(core, tokenizer), kv_events)
 
     # ---- facts --------------------------------------------------------------------------------------
 
@@ -152,6 +166,8 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             await self.abort(request_id)
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._stopping.set()
         self._wakeup.set()
         if self._thread is not None:
@@ -242,6 +258,7 @@ class AsyncEngine:
         core = self.core
         while not self._stopping.is_set():
             self._drain_commands()
+            self._hand_over_kv_events()
             if not core.has_unfinished():
                 self._stats = core.stats()
                 self._wakeup.wait(timeout=1.0)
@@ -264,6 +281,13 @@ class AsyncEngine:
             if core_outputs:
                 self._to_loop(self._on_step, core_outputs)
             self._maybe_log()
+
+    def _hand_over_kv_events(self) -> None:
+        """The events of the last step (or of a reset), in one batch to the publisher on the loop."""
+        if self.kv_events is not None:
+            events = self.core.kv.pool.take_events()
+            if events:
+                self._to_loop(self.kv_events.publish, events)
 
     def _to_loop(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None

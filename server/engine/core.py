@@ -44,6 +44,7 @@ class EngineCore:
             config.enable_prefix_caching,
             hash_seed=f"{self.model_path}:{self.dtype}",
             sliding_window=uniform_sliding_window(self.model.attention_layers()),
+            enable_kv_events=config.enable_kv_events,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
         self.requests: dict[str, Request] = {}

@@ -55,6 +55,9 @@ class LLMEngine:
             core_outputs = self.core.step()
         except StepError as exc:
             raise self._fail(exc) from exc.__cause__
+        finally:
+            # KV events (enable_kv_events) are published by the server only: offline, none piles up.
+            self.core.kv.pool.take_events()
         return self._process(core_outputs)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:

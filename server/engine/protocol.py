@@ -16,6 +16,7 @@ from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # config.py imports torch; the API layer does not need it at run time
     from pagedserve.server.config import EngineConfig
+    from pagedserve.server.engine.kv_events import KVEventPublisher
 
 
 class RequestStream(Protocol):
@@ -31,6 +32,8 @@ class RequestStream(Protocol):
 
 
 class EngineClient(Protocol):
+    kv_events: KVEventPublisher | None  # GET /v1/kv_events; None when --enable-kv-events is off
+
     @property
     def config(self) -> EngineConfig: ...  # resolved: max_model_len and served_model_name are set
 

@@ -487,3 +487,14 @@ def test_missing_metadata_is_an_error() -> None:
     del bad["metadata"]["uid"]
     with pytest.raises(ValueError, match=r"metadata\.uid"):
         render(bad)
+
+
+def test_kv_events_strategy_turns_on_the_engines_kv_events() -> None:
+    children = render(md(router={"strategy": "kv-events"}))
+    assert "--enable-kv-events" in container(children, "llama-8b-engine")["args"]
+    router_args = container(children, "llama-8b-router")["args"]
+    assert router_args[router_args.index("--strategy") + 1] == "kv-events"
+    assert "--enable-kv-events" not in container(render(SPECS["defaults"]), "llama-8b-engine")["args"]
+    # Without prefix caching there is nothing to publish: the router falls back to prefix-hash.
+    no_cache = render(md(router={"strategy": "kv-events"}, engine={"enablePrefixCaching": False}))
+    assert "--enable-kv-events" not in container(no_cache, "llama-8b-engine")["args"]

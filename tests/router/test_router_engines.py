@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from pagedserve.testing.net import wait_until
 from pagedserve.testing.processes import router_process, serve_process
 
 pytestmark = [
@@ -210,15 +211,6 @@ async def stream_one(client: httpx.AsyncClient, body: dict) -> dict:
 
 def router_backends(router: str) -> dict[str, dict]:
     return {b["url"]: b for b in httpx.get(router + "/backends", timeout=10).json()}
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def test_killed_replica_is_retried_around_and_rejoins(engines, router_factory, default_tokenizer):

@@ -1,0 +1,50 @@
+"""The prefix cache's block hash, shared by the engine (server/core/kv_cache_manager.py) and the router
+(router/hashing.py, router/kv_index.py): one function, so the router computes from its own tokenization
+exactly the hashes an engine reports in its KV events (server/engine/kv_events.py).
+
+A full block's hash is BLAKE2b-16 over its parent's hash and its token ids as little-endian int64; the
+first block's parent is the root: a hash of the model seed (the engine's is ``f"{model_path}:{dtype}"``,
+published with its KV events), salted by the request's ``cache_salt`` when it has one.
+
+Pure standard library: the router must never import torch (tests/router/test_router_no_torch.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+DIGEST_SIZE = 16
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=DIGEST_SIZE).digest()
+
+
+def seed_hash(model_seed: str) -> bytes:
+    return hashlib.blake2b(model_seed.encode(), digest_size=DIGEST_SIZE).digest()
+
+
+def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: the model's root, mixed with the salt when there is one."""
+    if not cache_salt:
+        return root_hash
+    data = root_hash + cache_salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, root_hash: bytes) -> list[bytes]:
+    """Hashes of the full blocks of ``token_ids``: h_i = H(h_{i-1} || tokens of block i), h_-1 = root.
+    Only full blocks are hashed: the engine caches only those."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    ids = array("q", token_ids[: len(token_ids) // block_size * block_size]).tobytes()
+    step = block_size * 8
+    blake = hashlib.blake2b
+    out: list[bytes] = []
+    parent = root_hash
+    for start in range(0, len(ids), step):
+        parent = blake(parent + ids[start : start + step], digest_size=DIGEST_SIZE).digest()
+        out.append(parent)
+    return out
