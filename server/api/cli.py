@@ -160,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="request defaults from generation_config.json: auto (the model's), vllm (none) or a folder",
     )
+    engine.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 or fp8_e4m3 (the same)"
+    )
+    engine.add_argument(
+        "--calculate-kv-scales", action="store_true", help="fp8 KV cache scales from the first prefill"
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -183,6 +189,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         generation_config=args.generation_config,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
     )
 
 
