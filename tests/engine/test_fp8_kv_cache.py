@@ -134,6 +134,16 @@ def test_config_accepts_vllm_names_and_refuses_the_rest():
         EngineConfig(calculate_kv_scales=True)
 
 
+def test_triton_backend_refuses_fp8_below_compute_capability_8_9(monkeypatch):
+    """Triton has no e4m3 conversions before Ada/Hopper: such a GPU is refused at start-up, by name. (The
+    capability is the one faked part: this machine has no GPU.)"""
+    from pagedserve.server.backend import select_backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype fp8 needs a GPU of compute capability 8\.9"):
+        select_backend(torch.device("cuda"), torch.bfloat16, "triton", torch.float8_e4m3fn)
+
+
 # ------------------------------------------------------------------------------------------- server
 @pytest.fixture(scope="module")
 def fp8_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
