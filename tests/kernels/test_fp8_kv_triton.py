@@ -64,14 +64,16 @@ def test_store_writes_the_reference_bytes(dtype):
     grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = grid[grid.isfinite()].sort().values
     x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([500.0, -1e4, -0.0, 1e-4, -1e-4])])
-    x = torch.cat([x, torch.randn(64 - x.numel() % 64) * 100]).view(-1, 2, 32)
+    x = torch.cat([x, torch.randn(64 - x.numel() % 64, generator=torch.Generator().manual_seed(0)) * 100])
+    x = x.view(-1, 2, 32)
     if dtype == torch.float16:
         x = x.clamp(-6e4, 6e4)
     k, v = (x * K_SCALE).to(dtype), (x.flip(0) * V_SCALE).to(dtype)
-    slots = torch.randperm(x.shape[0] + 8)[: x.shape[0]]
+    num_slots = x.shape[0] + 8  # some slots stay empty
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(0))[: x.shape[0]]
     slots[3] = -1
     scales = torch.tensor([K_SCALE]), torch.tensor([V_SCALE])
-    caches = [torch.zeros(x.shape[0] // 4 + 2, 4, 2, 32, dtype=FP8) for _ in range(4)]
+    caches = [torch.zeros(-(-num_slots // 4), 4, 2, 32, dtype=FP8) for _ in range(4)]
     reference.store_kv_cache(k, v, caches[0], caches[1], slots, *scales)
     triton_module("store_kv_cache").store_kv_cache(k, v, caches[2], caches[3], slots, *scales)
     assert torch.equal(caches[2].view(torch.uint8), caches[0].view(torch.uint8))
