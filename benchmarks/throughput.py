@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (both runs)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine: requests per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine: tokens per step")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="engine: auto | fp8 (the KV cache's dtype)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up calls")
     parser.add_argument("--skip-engine", action="store_true", help="run only the HF side (with --compare hf)")
     parser.add_argument("--result-json", default=None, help="write the figures to this file")
@@ -107,6 +108,7 @@ def run_engine(model_path: str, workload: list, args: argparse.Namespace, device
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     llm = LLM(model=model_path, **kwargs)
     load_s = time.perf_counter() - t
@@ -124,9 +126,11 @@ def run_engine(model_path: str, workload: list, args: argparse.Namespace, device
     requested = sum(n for _, n in workload)
     if produced != requested:
         print(f"warning: engine produced {produced} output tokens, {requested} asked", file=sys.stderr)
+    kv_cache_tokens = llm.engine.core.num_blocks * llm.engine.core.config.block_size
     del llm, outputs
     gc.collect()
-    return _figures("pagedserve", workload, elapsed, produced, load_s=load_s)
+    figures = _figures("pagedserve", workload, elapsed, produced, load_s=load_s)
+    return {**figures, "kv_cache_tokens": kv_cache_tokens}
 
 
 def run_hf(model_path: str, workload: list, args: argparse.Namespace, device: Any, dtype: Any) -> dict:

@@ -54,3 +54,36 @@ def softcap_scores(s, softcap):
     log2(e)``. tanh from exp2, which the interpreter runs too: ``tanh(y) = 1 - 2 / (exp(2y) + 1)``."""
     exp_2y = tl.exp2((2.0 * 1.4426950408889634) * (s / softcap))  # s / softcap = x / cap
     return (1.0 - 2.0 / (exp_2y + 1.0)) * softcap
+
+
+def fp8_kv_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """``(is the cache FP8, k_scale, v_scale)`` for a kernel launch. The kernels read the scales of an
+    FP8 cache only, where a missing one is 1.0; for any other cache a missing one is a placeholder
+    pointer (the cache itself), so the engine's launches allocate nothing."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if k_scale is None or v_scale is None:
+        missing = torch.ones(1, dtype=torch.float32, device=k_cache.device) if fp8 else k_cache
+        k_scale = missing if k_scale is None else k_scale
+        v_scale = missing if v_scale is None else v_scale
+    return fp8, k_scale, v_scale
+
+
+@triton.jit
+def saturate_round_e4m3(x):
+    """float32 ``x`` clamped to +-448 and rounded to the nearest e4m3 value, ties to even: what
+    ``torch.Tensor.to(torch.float8_e4m3fn)`` stores after the clamp. Rounded here, in float32, so that
+    the final cast is exact whatever rounding the cast itself does (Triton's CPU interpreter rounds
+    ties away from zero and loses the carry into the exponent)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    # Normal range: keep 3 of float32's 23 mantissa bits, ties to even (a carry moves the exponent on).
+    bits = x.to(tl.int32, bitcast=True)
+    negative = bits < 0  # the sign bit: -0.0 included
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # -0x100000 = 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    # Below 2**-6 e4m3 is subnormal, a fixed step of 2**-9: 24576 = 1.5 * 2**14 has exactly that ulp,
+    # so adding and subtracting it rounds to the step, ties to even; the sign is put back for -0.
+    step = tl.abs((x + 24576.0) - 24576.0)
+    subnormal = tl.where(negative, -step, step)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)

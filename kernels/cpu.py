@@ -1,7 +1,8 @@
 """The engine's CPU backend: C++ kernels for float32, with the torch references as their fallback.
 
 Decode attention is most of a CPU decode step, and the reference spends it gathering every sequence's
-blocks into a padded batch; ``kernels/csrc/paged_attention_cpu.cpp`` reads the blocks in place instead. The
+blocks into a padded batch; ``kernels/csrc/paged_attention_cpu.cpp`` reads the blocks in place instead,
+from a float32 or an FP8 (e4m3) cache. The
 norms, SiLU-and-mul and rotary embedding (``kernels/csrc/elementwise_cpu.cpp``) are one pass each instead of
 five to ten ATen ops, which at decode batch sizes cost more than their arithmetic. Prefill attention and
 the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are already good). The
@@ -88,17 +89,26 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention_decode``."""
-    ops = _native(q, k_cache, v_cache)
+    # The C++ reads float32 and FP8 caches (an FP8 one at a quarter of the bytes), with float32 queries.
+    fp8_cache = k_cache.dtype == reference.FP8_KV_DTYPE and v_cache.dtype == reference.FP8_KV_DTYPE
+    ops = _native(q) if fp8_cache and k_cache.device.type == "cpu" else _native(q, k_cache, v_cache)
     if ops is None:
         return reference.paged_attention_decode(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, logit_softcap
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, logit_softcap,
+            k_scale, v_scale,
         )
     tables, lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     # The C++ op's 0 means "none" for both.
+    # Host floats: the scales live on the CPU here and no CUDA graph captures this op.
+    k_scale_value = 1.0 if k_scale is None or not fp8_cache else float(k_scale)
+    v_scale_value = 1.0 if v_scale is None or not fp8_cache else float(v_scale)
     return ops.paged_attention_decode(
-        q, k_cache, v_cache, tables, lens, scale, sliding_window or 0, logit_softcap or 0.0
+        q, k_cache, v_cache, tables, lens, scale, sliding_window or 0, logit_softcap or 0.0, k_scale_value,
+        v_scale_value,
     )
 
 

@@ -6,6 +6,10 @@ cut into several partitions so that long contexts still occupy every SM; a secon
 the partitions' softmax statistics. Launch sizes depend only on tensor shapes (never on the values of
 ``context_lens``), so the call needs no host synchronisation and can be captured in a CUDA graph.
 
+An FP8 cache (``torch.float8_e4m3fn``) is read as ``cache * scale``: its tiles are cast to the query's
+dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value), ``k_scale`` joins the score scale and
+``v_scale`` multiplies the output, so the loop does no more arithmetic than with a 16-bit cache.
+
 With a sliding window the partitions cover the window, not the context: they start at the sequence's
 first visible key, so a long context costs as much as its window and the blocks before it are never read.
 """
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import next_pow2, num_sms, softcap_scores
+from ._triton_utils import fp8_kv_scales, next_pow2, num_sms, softcap_scores
 
 LOG2E = 1.4426950408889634
 # Tunables (module-level so that benchmarks can sweep them).
@@ -36,13 +40,13 @@ def _first_key(context_len, window):
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_stats_ptr,
-    qk_scale, softcap,
+    k_scale_ptr, v_scale_ptr, qk_scale, softcap,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     num_heads, partition_size, window,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,6 +63,8 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
 
+    if FP8:  # the cache holds K / k_scale and V / v_scale: both scales apply once, outside the loop
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -71,6 +77,8 @@ def _decode_kernel(
         offs = block * stride_cb + (t % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # e4m3 values are exact in every q dtype; the scale is in qk_scale
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if SOFTCAP:
             s = softcap_scores(s, softcap)
@@ -80,11 +88,15 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0
     acc = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if FP8:  # partials too: the merge is linear in them
+        acc = acc * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:
         dst = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
@@ -136,7 +148,7 @@ def _partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition,
-            sliding_window=None, logit_softcap=None):
+            sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None):
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -153,18 +165,19 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
     else:
         part_out = part_stats = out
     block_d = next_pow2(head_dim)
+    fp8, k_scale, v_scale = fp8_kv_scales(k_cache, k_scale, v_scale)
     window = NO_WINDOW if sliding_window is None else sliding_window
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_stats,
-        scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
+        k_scale, v_scale, scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads, partition, window,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=logit_softcap is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
@@ -185,9 +198,12 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its cached context. q ``[num_seqs, num_heads, head_dim]``.
-    ``sliding_window`` and ``logit_softcap`` as in ``reference.paged_attention_decode``.
+    ``sliding_window``, ``logit_softcap`` and the FP8 cache's ``k_scale``/``v_scale`` as in
+    ``reference.paged_attention_decode``.
 
     The context is bounded by the block table's width (``block_tables.shape[1] * block_size``); give the
     kernel a table no wider than the step needs so that the split-K partitions fit the real contexts.
@@ -197,5 +213,5 @@ def paged_attention_decode(
         max_context = min(max_context, sliding_window)
     num_splits, partition = _partition(q.shape[0], k_cache.shape[2], max_context, q.device)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, partition,
-                   sliding_window, logit_softcap)
+                   sliding_window, logit_softcap, k_scale, v_scale)
 

@@ -9,6 +9,9 @@ tiles numbered from ``cu_seqlens_q[s] // BLOCK_M + s``, a numbering that never o
 ``num_tokens // BLOCK_M + num_seqs``; each program finds its sequence by binary search and programs past
 the end of their sequence's chunk do nothing.
 
+An FP8 cache is read as ``cache * scale`` as in kernels/paged_attention_decode.py: tiles cast to the
+query's dtype, ``k_scale`` in the score scale, ``v_scale`` on the output.
+
 With a sliding window a query tile's key loop starts at its first query's first visible key, so a
 chunk late in a long prompt costs its window, not its whole context.
 """
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import next_pow2, softcap_scores
+from ._triton_utils import fp8_kv_scales, next_pow2, softcap_scores
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query tokens per program
@@ -30,13 +33,13 @@ NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any co
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    qk_scale, softcap,
+    k_scale_ptr, v_scale_ptr, qk_scale, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     num_seqs, window,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FP8: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -71,6 +74,8 @@ def _prefill_kernel(
     # HF's sliding window, kv_idx > q_idx - window: nothing before the tile's first query's window.
     kv_start = tl.maximum(context_len - q_len + first_query - window + 1, 0)
 
+    if FP8:  # the cache holds K / k_scale and V / v_scale: both scales apply once, outside the loop
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -83,6 +88,8 @@ def _prefill_kernel(
         offs = block * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
         kv_mask = n_mask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # e4m3 values are exact in every q dtype; the scale is in qk_scale
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if SOFTCAP:
             s = softcap_scores(s, softcap)
@@ -93,10 +100,14 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr)
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dmask[None, :])
 
@@ -111,10 +122,12 @@ def paged_attention_prefill(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length queries ``[num_tokens, num_heads, head_dim]``, each attending causally to
-    its cached context (see the module docstring); ``sliding_window`` and ``logit_softcap`` as in
-    ``reference.paged_attention_prefill``."""
+    its cached context (see the module docstring); ``sliding_window``, ``logit_softcap`` and the FP8
+    cache's ``k_scale``/``v_scale`` as in ``reference.paged_attention_prefill``."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -124,16 +137,17 @@ def paged_attention_prefill(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    fp8, k_scale, v_scale = fp8_kv_scales(k_cache, k_scale, v_scale)
     grid = (num_tokens // BLOCK_M + num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
+        k_scale, v_scale, scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, NO_WINDOW if sliding_window is None else sliding_window,
         HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_D=next_pow2(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=logit_softcap is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

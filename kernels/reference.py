@@ -7,6 +7,11 @@ Triton and C++ kernels are tested against. The kernel contract, shared by all th
 function's docstring. Both attention kernels take the variants as keywords, ``None`` meaning none:
 ``sliding_window`` (HF's: a query at position ``p`` sees keys ``p - sliding_window + 1 .. p``; table
 entries before those are never read) and ``logit_softcap`` (``tanh(score / cap) * cap``, Gemma 2).
+
+An FP8 cache (``torch.float8_e4m3fn``, vLLM's ``kv_cache_dtype="fp8"``) holds ``x / scale`` saturated to
+e4m3's range and is read as ``cache * scale``, with a per-tensor ``k_scale`` and ``v_scale`` (float32
+tensors of one element, ``None`` meaning 1.0; see "FP8 KV cache" at the end). Caches of other dtypes
+ignore the scales, as vLLM's do with ``kv_cache_dtype="auto"``.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v ``[num_tokens, num_kv_heads, head_dim]`` into their slots; negative slots are skipped."""
+    """Write k, v ``[num_tokens, num_kv_heads, head_dim]`` into their slots; negative slots are skipped.
+    An FP8 cache stores ``x / scale`` saturated to +-448 (``quantize_kv``)."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = _storage_view(cache).view(-1, cache.shape[2], cache.shape[3])
+        rows.index_copy_(0, slot_mapping, _storage_view(quantize_kv(x, cache.dtype, x_scale)))
 
 
 def _gather_context(
@@ -39,7 +47,8 @@ def _gather_context(
     block_size = cache.shape[1]
     first_block = first // block_size
     num_blocks = (context_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[first_block:num_blocks].long())
+    used = block_table[first_block:num_blocks].long()
+    blocks = _storage_view(cache).index_select(0, used).view(cache.dtype)
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[: context_len - first_block * block_size]
 
 
@@ -95,6 +104,8 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its cached context. q ``[num_seqs, num_heads, head_dim]``.
 
@@ -115,7 +126,7 @@ def paged_attention_decode(
         rows = order[start:start + DECODE_CHUNK]
         out[rows] = _decode_chunk(
             q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale, sliding_window,
-            logit_softcap,
+            logit_softcap, k_scale, v_scale,
         )
     return out
 
@@ -129,6 +140,8 @@ def _decode_chunk(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -141,8 +154,9 @@ def _decode_chunk(
     table = block_tables.to(q.device).long().gather(1, columns.clamp(max=block_tables.shape[1] - 1))
     padded_len = num_blocks * block_size
     # [num_seqs, num_kv_heads, padded_len, head_dim], computed in fp32 whatever the cache dtype.
-    keys = k_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
-    values = v_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
+    batch = (num_seqs, padded_len, num_kv_heads, head_dim)
+    keys = _gather_blocks(k_cache, table, k_scale).view(batch).transpose(1, 2)
+    values = _gather_blocks(v_cache, table, v_scale).view(batch).transpose(1, 2)
     key_pos = (first_block * block_size)[:, None] + torch.arange(padded_len, device=q.device)[None, :]
     valid = (key_pos < lens[:, None]) & (key_pos >= first_pos[:, None])
     out = _attend(
@@ -162,6 +176,8 @@ def paged_attention_prefill(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length queries, each attending causally to its cached context.
 
@@ -181,6 +197,7 @@ def paged_attention_prefill(
         first = window_start(context_len - q_len, sliding_window)
         keys = _gather_context(k_cache, block_tables[seq], context_len, first)
         values = _gather_context(v_cache, block_tables[seq], context_len, first)
+        keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
         out[start:end] = _causal_attention(q[start:end], keys, values, scale, sliding_window, logit_softcap)
     return out
 
@@ -272,3 +289,37 @@ def fused_moe(
         expert_out = F.linear(silu_and_mul(F.linear(hidden[token], w13[expert])), w2[expert])
         out.index_add_(0, token, expert_out.float() * topk_weights[token, slot, None].float())
     return out.to(hidden.dtype)
+
+
+# --- FP8 KV cache (vLLM's kv_cache_dtype "fp8", e4m3) ----------------------------------------------------
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448: e4m3fn has no infinity, an overflow would be NaN
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` holds it: for FP8, ``x / scale`` in float32, saturated to
+    +-448, rounded to nearest even; otherwise a plain cast (the scale is ignored)."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype)
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(cached: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as ``dtype`` values: an FP8 row times its scale (in float32), others cast."""
+    if cached.dtype != FP8_KV_DTYPE:
+        return cached.to(dtype)
+    values = cached.float()
+    return (values if scale is None else values * scale).to(dtype)
+
+
+def _storage_view(cache: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes: ATen's CPU indexing ops do not all take float8 types, and copying
+    bytes is what they would do anyway."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``cache[table]`` in float32, FP8 blocks times their scale."""
+    return dequantize_kv(_storage_view(cache)[table].view(cache.dtype), scale, torch.float32)

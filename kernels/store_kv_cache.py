@@ -1,19 +1,23 @@
-"""Write each token's new K and V into its slot of the paged KV cache."""
+"""Write each token's new K and V into its slot of the paged KV cache.
+
+An FP8 cache (``torch.float8_e4m3fn``) gets ``x / scale`` in float32, saturated to +-448 (e4m3fn has
+no infinity: an overflow would become NaN), as ``reference.quantize_kv`` writes it, byte for byte.
+"""
 
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import next_pow2
+from ._triton_utils import fp8_kv_scales, next_pow2, saturate_round_e4m3
 
 
 @triton.jit
 def _store_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -27,6 +31,9 @@ def _store_kv_cache_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    if FP8:
+        k = saturate_round_e4m3(k.to(tl.float32) / tl.load(k_scale_ptr))
+        v = saturate_round_e4m3(v.to(tl.float32) / tl.load(v_scale_ptr))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -37,8 +44,11 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v ``[num_tokens, num_kv_heads, head_dim]`` into their slots; negative slots are skipped."""
+    """Write k, v ``[num_tokens, num_kv_heads, head_dim]`` into their slots; negative slots are skipped.
+    ``k_scale``/``v_scale`` as in ``reference.store_kv_cache``."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -47,10 +57,12 @@ def store_kv_cache(
     if v.stride(-1) != 1:
         v = v.contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    fp8, k_scale, v_scale = fp8_kv_scales(k_cache, k_scale, v_scale)
     _store_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
+        FP8=fp8,
     )

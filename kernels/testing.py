@@ -144,3 +144,24 @@ def make_moe_case(
         topk_ids=topk_ids.to(device),
         idle_experts=list(range(num_experts - num_idle, num_experts)),
     )
+
+
+def fp8_paged_case(
+    case: PagedCase, k_scale: float, v_scale: float
+) -> tuple[PagedCase, torch.Tensor, torch.Tensor]:
+    """``case`` with its caches stored as FP8 (``reference.quantize_kv``) under the given scales, and the
+    scales as the kernels take them (float32 tensors of one element on the case's device)."""
+    from . import reference
+
+    device = case.k_cache.device
+    scales = [torch.tensor([s], dtype=torch.float32, device=device) for s in (k_scale, v_scale)]
+    fp8 = PagedCase(
+        k_cache=reference.quantize_kv(case.k_cache, reference.FP8_KV_DTYPE, scales[0]),
+        v_cache=reference.quantize_kv(case.v_cache, reference.FP8_KV_DTYPE, scales[1]),
+        block_tables=case.block_tables,
+        context_lens=case.context_lens,
+        q_decode=case.q_decode,
+        q_prefill=case.q_prefill,
+        cu_seqlens_q=case.cu_seqlens_q,
+    )
+    return fp8, scales[0], scales[1]

@@ -15,6 +15,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DTYPE_ALIASES = {
     "fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
 }
+# vLLM's --kv-cache-dtype values that exist here: "auto" is the model's dtype, "fp8" means fp8_e4m3.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -44,6 +46,12 @@ class EngineConfig:
     # kv-events strategy. vLLM configures its ZMQ publisher with --kv-events-config; ours is one stream
     # on the engine's own port, so a switch is all there is to say.
     enable_kv_events: bool = False
+    # The KV cache's element type (vLLM's kv_cache_dtype, KV_CACHE_DTYPES): "fp8" halves a 16-bit
+    # cache's bytes per token, with per-layer scales (server/layers/attention.py).
+    kv_cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales: set an FP8 cache's scales from the first prefill's K/V (amax / 448)
+    # instead of 1.0.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -67,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
+            raise ValueError("calculate_kv_scales needs an fp8 kv_cache_dtype (the scales of an "
+                             f"{self.kv_cache_dtype!r} cache do nothing)")
         if self.generation_config not in ("auto", "vllm") and not (
             Path(self.generation_config).expanduser() / "generation_config.json"
         ).is_file():
@@ -87,6 +101,11 @@ class EngineConfig:
             # fp32 on CPU: the embedded model's dequantized weights are exact only in fp32.
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype: the model's for "auto"."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @property
     def batched_tokens(self) -> int:

@@ -4,7 +4,9 @@ Batch 64, context 2048, Llama-3-8B heads (32 query heads, 8 KV heads, head_dim 1
 Bytes counted: the K and V of every context token (what the kernel must read), plus q, the output and
 the block tables. Also timed: the torch reference on the same inputs, the tunables of the Triton kernel
 swept (``--sweep``), the split-K effect at batch 1 and long contexts, and the prefill kernel's
-FLOP/s (with its own sweep) to tune it.
+FLOP/s (with its own sweep) to tune it. The fp8 column (``triton_fp8``): the same decode on an FP8
+(e4m3) cache with scales, half the K/V bytes; its time against the bf16 cache's is the speed-up the
+smaller cache buys, its bandwidth the fraction of the copy bandwidth it reaches on its own bytes.
 
     python -m pagedserve.benchmarks.gpu.decode_attention_bandwidth [--sweep] [--out DIR]
 """
@@ -19,7 +21,7 @@ import itertools
 import torch
 from pagedserve.benchmarks.gpu.common import copy_bandwidth, cuda_time, device_info, write_result
 from pagedserve.kernels import paged_attention_decode, paged_attention_prefill, reference
-from pagedserve.kernels.testing import make_paged_case
+from pagedserve.kernels.testing import fp8_paged_case, make_paged_case
 
 decode_module = importlib.import_module("pagedserve.kernels.paged_attention_decode")
 prefill_module = importlib.import_module("pagedserve.kernels.paged_attention_prefill")
@@ -35,9 +37,19 @@ def bytes_moved(case) -> int:
     return kv + q_out + case.block_tables.numel() * 4 + case.context_lens.numel() * 4
 
 
-def measure(case, fn=paged_attention_decode) -> float:
+def measure(case, fn=paged_attention_decode, **scales) -> float:
     args = (case.q_decode, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 128**-0.5)
-    return cuda_time(lambda: fn(*args), iters=100)
+    return cuda_time(lambda: fn(*args, **scales), iters=100)
+
+
+def fp8_column(case, copy_bw: float, bf16_seconds: float) -> dict:
+    """The decode kernel on ``case``'s cache stored as FP8 (scales that use about a fifth of e4m3's
+    range on these unit-variance values)."""
+    fp8, k_scale, v_scale = fp8_paged_case(case, 0.05, 0.05)
+    moved = bytes_moved(fp8)
+    seconds = measure(fp8, k_scale=k_scale, v_scale=v_scale)
+    return {"seconds": seconds, "bytes_moved": moved, "bandwidth_gbps": moved / seconds / 1e9,
+            "fraction_of_copy": moved / seconds / copy_bw, "speedup_over_bf16_cache": bf16_seconds / seconds}
 
 
 def prefill(sweep: bool) -> dict:
@@ -100,6 +112,7 @@ def main() -> None:
                    "fraction_of_copy": moved / seconds / copy_bw,
                    "config": {k: getattr(decode_module, k) for k in TUNABLES}},
     }
+    result["triton_fp8"] = fp8_column(case, copy_bw, seconds)
     ref_seconds = measure(case, reference.paged_attention_decode)
     result["torch_reference"] = {"seconds": ref_seconds, "bandwidth_gbps": moved / ref_seconds / 1e9,
                                  "fraction_of_copy": moved / ref_seconds / copy_bw}
@@ -134,7 +147,8 @@ def main() -> None:
         t_one = measure(long_case, one_partition)
         long_runs.append({"batch": batch, "context": context, "num_splits": splits,
                           "fraction_of_copy_split_k": lm / t_auto / copy_bw,
-                          "fraction_of_copy_one_partition": lm / t_one / copy_bw})
+                          "fraction_of_copy_one_partition": lm / t_one / copy_bw,
+                          "fp8": fp8_column(long_case, copy_bw, t_auto)})
         del long_case
         torch.cuda.empty_cache()
     result["split_k"] = long_runs

@@ -9,12 +9,19 @@
 // so a long context costs its window; the blocks before it are never read (the KV cache manager may
 // have freed them). A logit soft-cap (Gemma 2) squashes the scaled scores with tanh before the softmax.
 //
+// An FP8 cache (float8_e4m3fn, kv_cache_dtype="fp8") is read as cache * scale, as in kernels/reference.py:
+// each block's visible rows are widened to float32 once, into a per-thread buffer that stays in L1, and
+// every query head of the group reads them there (AVX2 has no FP8: a few integer ops per eight values,
+// see widen8); k_scale joins the score scale and v_scale multiplies the output. Widening as the rows are
+// loaded instead would redo it for each head of a GQA group: that measured 3x slower than float32.
+//
 // Registered as torch.ops.pagedserve.paged_attention_decode; kernels/cpu.py builds it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -29,6 +36,57 @@ namespace {
 struct Shape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
 };
+
+// An FP8 e4m3 (float8_e4m3fn) cache element, as its byte.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// float32 of every e4m3 byte, for the scalar loops.
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 0xF, mantissa = b & 0x7;
+      float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                      : std::ldexp(1.f + mantissa / 8.f, exponent - 7);
+      if ((b & 0x7F) == 0x7F) magnitude = std::numeric_limits<float>::quiet_NaN();  // e4m3fn's only NaN
+      values[b] = (b & 0x80) ? -magnitude : magnitude;
+    }
+    return values;
+  }();
+  return table;
+}
+
+
+#ifdef PAGEDSERVE_AVX2
+// Eight e4m3 values as float32, without a table: the byte's exponent and mantissa bits shifted into
+// float32's places give the value times 2**-120 (subnormals included, as float32 subnormals), so one
+// multiply rescales; then the sign, and NaN for 0x7F/0xFF.
+inline __m256 widen8(const Fp8E4M3* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(bytes, _mm256_set1_epi32(0x7F));
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(magnitude, 20)),
+                                     _mm256_set1_ps(0x1p120f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x80)), 24);
+  const __m256i nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F));  // all ones: a NaN
+  return _mm256_or_ps(_mm256_or_ps(value, _mm256_castsi256_ps(sign)), _mm256_castsi256_ps(nan));
+}
+#endif
+
+// `count` consecutive cache elements as float32: a float32 cache as it is, FP8 widened into `buffer`.
+const float* as_float(const float* values, int64_t, std::vector<float>&) { return values; }
+
+const float* as_float(const Fp8E4M3* values, int64_t count, std::vector<float>& buffer) {
+  buffer.resize(count);
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX2
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buffer.data() + i, widen8(values + i));
+#endif
+  const auto& table = fp8_table();
+  for (; i < count; ++i) buffer[i] = table[values[i].bits];
+  return buffer.data();
+}
 
 // Scores q . k * scale of one query head against `count` consecutive rows of a block.
 void block_scores(const float* query, const float* key, int64_t count, const Shape& s, float scale,
@@ -122,10 +180,11 @@ void accumulate_values(const float* weights, const float* value, int64_t count, 
 // neighbour in memory. (One block ahead measured the same within this machine's noise; four cost nothing.)
 constexpr int64_t kPrefetchBlocks = 4;
 
-void prefetch_block(const float* cache, const int32_t* table, int64_t b, int64_t num_blocks, const Shape& s) {
+template <typename T>
+void prefetch_block(const T* cache, const int32_t* table, int64_t b, int64_t num_blocks, const Shape& s) {
   if (b >= num_blocks) return;
-  const float* block = cache + table[b] * s.block_stride;
-  for (int64_t i = 0; i < s.block_stride; i += 16) __builtin_prefetch(block + i);
+  const T* block = cache + table[b] * s.block_stride;
+  for (int64_t i = 0; i < s.block_stride; i += 64 / sizeof(T)) __builtin_prefetch(block + i);  // a line each
 }
 
 // In place: row <- tanh(row / cap) * cap.
@@ -142,9 +201,11 @@ int64_t first_visible(int64_t context_len, int64_t window) {
 // One sequence: every query head attends over its visible keys, positions [lo, context_len). Heads are
 // the inner loop so each block's K (then V) is read as one contiguous stream. Scores are indexed from
 // lo; the walk covers blocks first_block .. num_blocks - 1 of the table.
-void attend(const float* queries, const float* k_cache, const float* v_cache, const int32_t* table,
-            int64_t context_len, const Shape& s, float scale, int64_t window, float softcap,
-            std::vector<float>& scores, float* outs) {
+// scale includes k_scale; v_scale multiplies the outputs at the end (1 for a float32 cache).
+template <typename T>
+void attend(const float* queries, const T* k_cache, const T* v_cache, const int32_t* table,
+            int64_t context_len, const Shape& s, float scale, float v_scale, int64_t window, float softcap,
+            std::vector<float>& scores, std::vector<float>& rows_buffer, float* outs) {
   std::fill(outs, outs + s.num_heads * s.head_dim, 0.f);
   if (context_len <= 0) return;
   const int64_t lo = first_visible(context_len, window), span = context_len - lo;
@@ -158,7 +219,8 @@ void attend(const float* queries, const float* k_cache, const float* v_cache, co
   for (int64_t b = first_block; b < num_blocks; ++b) {
     prefetch_block(k_cache, table, b + kPrefetchBlocks, num_blocks, s);
     const auto [begin, end] = rows(b);
-    const float* block = k_cache + table[b] * s.block_stride + (begin - b * s.block_size) * s.token_stride;
+    const float* block = as_float(k_cache + table[b] * s.block_stride + (begin - b * s.block_size) * s.token_stride,
+                                  (end - begin) * s.token_stride, rows_buffer);
     for (int64_t h = 0; h < s.num_heads; ++h)
       block_scores(queries + h * s.head_dim, block + (h / s.group) * s.head_dim, end - begin, s, scale,
                    scores.data() + h * span + (begin - lo));
@@ -171,23 +233,48 @@ void attend(const float* queries, const float* k_cache, const float* v_cache, co
   for (int64_t b = first_block; b < num_blocks; ++b) {
     prefetch_block(v_cache, table, b + kPrefetchBlocks, num_blocks, s);
     const auto [begin, end] = rows(b);
-    const float* block = v_cache + table[b] * s.block_stride + (begin - b * s.block_size) * s.token_stride;
+    const float* block = as_float(v_cache + table[b] * s.block_stride + (begin - b * s.block_size) * s.token_stride,
+                                  (end - begin) * s.token_stride, rows_buffer);
     for (int64_t h = 0; h < s.num_heads; ++h)
       accumulate_values(scores.data() + h * span + (begin - lo), block + (h / s.group) * s.head_dim, end - begin,
                         s, outs + h * s.head_dim);
   }
+  if (v_scale != 1.f)
+    for (int64_t i = 0; i < s.num_heads * s.head_dim; ++i) outs[i] *= v_scale;
+}
+
+// Every sequence, longest contexts first, handed out one at a time so that threads finish together.
+template <typename T>
+void attend_all(const float* q_ptr, const T* k_ptr, const T* v_ptr, const int32_t* table_ptr,
+                const int32_t* len_ptr, int64_t num_seqs, const Shape& s, float scale, float v_scale,
+                int64_t sliding_window, float softcap, float* out_ptr) {
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, rows_buffer;
+    for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
+      const int64_t seq = order[i];
+      attend(q_ptr + seq * s.num_heads * s.head_dim, k_ptr, v_ptr, table_ptr + seq * s.max_blocks, len_ptr[seq], s,
+             scale, v_scale, sliding_window, softcap, scores, rows_buffer, out_ptr + seq * s.num_heads * s.head_dim);
+    }
+  });
 }
 
 // q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 (each >= 1); sliding_window
-// and logit_softcap 0 for none.
+// and logit_softcap 0 for none; k_scale and v_scale apply to an FP8 cache only.
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  double scale, int64_t sliding_window, double logit_softcap) {
+                                  double scale, int64_t sliding_window, double logit_softcap, double k_scale,
+                                  double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pagedserve CPU attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "pagedserve CPU attention: float32 only");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (fp8 || k_cache.scalar_type() == at::kFloat) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "pagedserve CPU attention: float32 queries, float32 or float8_e4m3fn caches");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "pagedserve CPU attention: int32 block tables and context lengths");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "pagedserve CPU attention: contiguous caches");
@@ -210,8 +297,6 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t num_seqs = query.size(0);
   at::Tensor out = at::empty_like(query);
   const float* q_ptr = query.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -229,20 +314,14 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(block >= 0 && block < cache_blocks, "paged_attention_decode: block id out of range");
     }
   }
-  // Longest contexts first, handed out one at a time, so threads finish together.
-  std::vector<int64_t> order(num_seqs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_seqs);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores;
-    for (int64_t i = next.fetch_add(1); i < num_seqs; i = next.fetch_add(1)) {
-      const int64_t seq = order[i];
-      attend(q_ptr + seq * s.num_heads * s.head_dim, k_ptr, v_ptr, table_ptr + seq * s.max_blocks, len_ptr[seq], s,
-             fscale, sliding_window, fsoftcap, scores, out_ptr + seq * s.num_heads * s.head_dim);
-    }
-  });
+  if (fp8) {
+    attend_all(q_ptr, static_cast<const Fp8E4M3*>(k_cache.data_ptr()), static_cast<const Fp8E4M3*>(v_cache.data_ptr()),
+               table_ptr, len_ptr, num_seqs, s, fscale * static_cast<float>(k_scale), static_cast<float>(v_scale),
+               sliding_window, fsoftcap, out_ptr);
+  } else {
+    attend_all(q_ptr, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table_ptr, len_ptr, num_seqs, s, fscale,
+               1.f, sliding_window, fsoftcap, out_ptr);
+  }
   return out;
 }
 
@@ -250,6 +329,7 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.) -> Tensor");
+        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0., float k_scale=1., "
+        "float v_scale=1.) -> Tensor");
   m.impl("paged_attention_decode", c10::DispatchKey::CPU, TORCH_FN(paged_attention_decode));
 }

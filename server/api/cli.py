@@ -166,6 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish KV cache events (blocks stored, removed, cleared) on GET /v1/kv_events, for "
         "`pagedserve router --strategy kv-events`",
     )
+    engine.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 or fp8_e4m3 (the same)"
+    )
+    engine.add_argument(
+        "--calculate-kv-scales", action="store_true", help="fp8 KV cache scales from the first prefill"
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -190,6 +196,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         enforce_eager=args.enforce_eager,
         generation_config=args.generation_config,
         enable_kv_events=args.enable_kv_events,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
     )
 
 

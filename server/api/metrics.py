@@ -167,7 +167,7 @@ def cache_config_info(engine: EngineClient) -> dict[str, str]:
     stats = engine.stats()
     return {
         "block_size": str(stats.block_size),
-        "cache_dtype": "auto",
+        "cache_dtype": str(getattr(cfg, "kv_cache_dtype", "auto")),
         "enable_prefix_caching": str(bool(getattr(cfg, "enable_prefix_caching", True))),
         "gpu_memory_utilization": str(getattr(cfg, "gpu_memory_utilization", None)),
         "kv_cache_memory_bytes": str(getattr(cfg, "kv_cache_memory_bytes", None)),

@@ -51,11 +51,13 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+            "engine ready: model=%s device=%s dtype=%s backend=%s kv_cache_dtype=%s "
+            "kv_blocks=%d x %d tokens, max_model_len=%d",
             self.model_path,
             self.device,
             self.dtype,
             self.backend.name,
+            self.kv_cache_dtype,
             self.num_blocks,
             config.block_size,
             config.max_model_len,
@@ -69,7 +71,8 @@ class EngineCore:
 
         config = self.config
         self.model_path = Path(resolve_model(config.model))
-        self.backend = select_backend(self.device, self.dtype, config.attention_backend)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype
+        self.backend = select_backend(self.device, self.dtype, config.attention_backend, self.kv_cache_dtype)
         config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
         self.model, self.hf_config = load_model(
             self.model_path, self.dtype, self.device, backend=self.backend
@@ -78,7 +81,7 @@ class EngineCore:
         num_kv_heads, head_dim = _kv_shape(self.hf_config)
         num_layers = len(self.model.attention_layers())
         block_bytes = ModelRunner.bytes_per_block(
-            num_layers, config.block_size, num_kv_heads, head_dim, self.dtype
+            num_layers, config.block_size, num_kv_heads, head_dim, self.kv_cache_dtype
         )
         self.num_blocks = self._num_blocks(block_bytes)
         self._resolve_max_model_len()
@@ -89,11 +92,12 @@ class EngineCore:
             config.block_size,
             num_kv_heads,
             head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len or 0,
             enforce_eager=config.enforce_eager,
+            calculate_kv_scales=config.calculate_kv_scales,
         )
 
     def _num_blocks(self, block_bytes: int) -> int:

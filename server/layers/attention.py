@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from pagedserve.kernels.reference import FP8_MAX
 from torch import nn
+
+MIN_KV_SCALE = 1e-6
 
 
 @dataclass
@@ -36,6 +39,11 @@ class Attention(nn.Module):
     (HF Transformers' convention; Mistral, Qwen2, Gemma 2/3's local layers). ``logit_softcap``: the
     scaled scores become ``tanh(score / cap) * cap`` before the softmax (Gemma 2's
     ``attn_logit_softcapping``). Both go to every backend's attention kernels as keyword arguments.
+
+    An FP8 cache (``kv_cache_dtype="fp8"``) holds ``K / k_scale`` and ``V / v_scale`` (vLLM's per-layer,
+    per-tensor scales, 1.0 unless ``calculate_kv_scales`` sets them from the first prefill). The scales
+    are tensors on the model's device, not floats, so that CUDA graphs captured before they are set
+    read their values (server/worker/cuda_graphs.py); caches of other dtypes ignore them.
     """
 
     def __init__(
@@ -47,6 +55,7 @@ class Attention(nn.Module):
         kernels: ModuleType,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
@@ -61,6 +70,10 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.v_scale = torch.ones((), dtype=torch.float32, device=device)
+        # Armed by the model runner (vLLM's calculate_kv_scales): the next prefill sets the scales.
+        self.calculate_kv_scales = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -70,7 +83,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.calculate_kv_scales and meta.num_prefills:
+            self._calculate_kv_scales(k, v)
+        kernels.store_kv_cache(
+            k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale
+        )
         num_decode = meta.num_decode_tokens
         out = torch.empty_like(q)
         if num_decode:
@@ -78,11 +95,20 @@ class Attention(nn.Module):
                 q[:num_decode], self.k_cache, self.v_cache,
                 meta.decode_block_tables, meta.decode_context_lens, self.scale,
                 sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         if meta.num_prefills:
             out[num_decode:] = kernels.paged_attention_prefill(
                 q[num_decode:], self.k_cache, self.v_cache, meta.prefill_block_tables,
                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
                 sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         return out.view(-1, self.num_heads * self.head_dim)
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Once: each scale maps this step's largest magnitude to e4m3's 448 (in place, see above). A
+        floor keeps an all-zero batch from giving a zero scale (the store divides by it)."""
+        for x, scale in ((k, self.k_scale), (v, self.v_scale)):
+            scale.copy_((x.detach().abs().amax().float() / FP8_MAX).clamp(min=MIN_KV_SCALE))
+        self.calculate_kv_scales = False

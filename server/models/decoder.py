@@ -80,6 +80,7 @@ class DecoderAttention(nn.Module):
             kernels,
             sliding_window=spec.layer_sliding_window(layer_index),
             logit_softcap=spec.attn_softcap,
+            device=device,
         )
 
     def forward(

@@ -51,7 +51,12 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         enforce_eager: bool = False,
+        calculate_kv_scales: bool = False,
     ) -> None:
+        """``dtype``: the KV cache's (``EngineConfig.torch_kv_cache_dtype``), which may be FP8 while the
+        model computes in another. ``calculate_kv_scales``: the first prefill after start-up sets each
+        layer's FP8 scales (server/layers/attention.py); armed after graph capture, whose dummy steps
+        must not set them."""
         if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
             raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
         self.model = model
@@ -67,11 +72,13 @@ class ModelRunner:
         if backend.supports_cuda_graphs and not enforce_eager:
             self.graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len, block_size, device)
             self.graphs.capture()
+        for layer in model.attention_layers():
+            layer.calculate_kv_scales = calculate_kv_scales
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        element = torch.tensor([], dtype=dtype).element_size()
+        element = torch.tensor([], dtype=dtype).element_size()  # 1 for FP8: twice a 16-bit cache's blocks
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
     @torch.inference_mode()
