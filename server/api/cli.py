@@ -160,6 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="request defaults from generation_config.json: auto (the model's), vllm (none) or a folder",
     )
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -183,6 +190,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         generation_config=args.generation_config,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -1,0 +1,28 @@
+"""Prompt-lookup drafting (vLLM's NgramProposer): the last ``n`` tokens of a sequence, ``n`` from
+``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up earlier in the same sequence, and the
+tokens that followed their latest earlier occurrence are proposed. Text that copies its input (rewrites,
+extraction, code edits) is drafted well; other text mostly finds no match, which costs nothing.
+
+Cost: one vectorised comparison over the sequence per ``n`` tried, bounded by ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    length = token_ids.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = token_ids[length - n:]
+        # Candidate starts i < length - n (the suffix itself excluded) whose first token matches.
+        starts = np.flatnonzero(token_ids[: length - n] == suffix[0])
+        for i in range(1, n):
+            if starts.size == 0:
+                break
+            starts = starts[token_ids[starts + i] == suffix[i]]
+        if starts.size:
+            follow = int(starts[-1]) + n
+            return token_ids[follow:follow + k].tolist()
+    return []
