@@ -1,6 +1,6 @@
 """Prompt-lookup drafting (vLLM's NgramProposer): the last ``n`` tokens of a sequence, ``n`` from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up earlier in the same sequence, and the
-tokens that followed their latest earlier occurrence are proposed. Text that copies its input (rewrites,
+tokens that followed their latest earlier occurrence with ``k`` tokens after it are proposed. Text that copies its input (rewrites,
 extraction, code edits) is drafted well; other text mostly finds no match, which costs nothing.
 
 Cost: one vectorised comparison over the sequence per ``n`` tried, bounded by ``max_model_len``.
@@ -12,7 +12,8 @@ import numpy as np
 
 
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the longest matching suffix: the latest
+    with ``k`` tokens after it, else the earliest."""
     length = token_ids.shape[0]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = token_ids[length - n:]
@@ -23,6 +24,8 @@ def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list
                 break
             starts = starts[token_ids[starts + i] == suffix[i]]
         if starts.size:
-            follow = int(starts[-1]) + n
+            # The latest match with k tokens after it (in a repeating text the latest is cut short by the end)
+            full = starts[starts + n + k <= length]
+            follow = int(full[-1] if full.size else starts[0]) + n
             return token_ids[follow:follow + k].tolist()
     return []
