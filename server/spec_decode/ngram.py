@@ -1,6 +1,6 @@
 """Prompt-lookup drafting (vLLM's NgramProposer): the last ``n`` tokens of a sequence, ``n`` from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up earlier in the same sequence, and the
-tokens that followed their latest earlier occurrence with ``k`` tokens after it are proposed. Text that copies its input (rewrites,
+tokens that followed an earlier occurrence are proposed. Text that copies its input (rewrites,
 extraction, code edits) is drafted well; other text mostly finds no match, which costs nothing.
 
 Cost: one vectorised comparison over the sequence per ``n`` tried, bounded by ``max_model_len``.

@@ -33,7 +33,7 @@ def spec_llm(model_path: str) -> LLM:
     return LLM(model_path, speculative_config=NGRAM_ANY_BATCH)
 
 
-def token_ids(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[list[list[int]]]:
+def token_ids(llm: LLM, prompts: list[Any], params: Any) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
 
 
@@ -71,7 +71,8 @@ def test_greedy_one_at_a_time_with_the_default_batch_limit(llm: LLM, model_path:
 def test_max_tokens_and_stop_tokens_landing_mid_draft(llm: LLM, spec_llm: LLM) -> None:
     """A draft run accepted past max_tokens or past a stop token is cut at it; the tokens after it drop."""
     prompts = PROMPTS[:3] * 4
-    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15)]
+    lengths = (1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15)
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in lengths]
     assert token_ids(spec_llm, prompts, params) == token_ids(llm, prompts, params)
     (reference,) = token_ids(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=30))
     for index in (4, 9, 14):
@@ -83,7 +84,8 @@ def test_max_tokens_and_stop_tokens_landing_mid_draft(llm: LLM, spec_llm: LLM) -
 
 
 def test_n_stop_strings_and_logprobs(llm: LLM, spec_llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=40, n=2, logprobs=3, stop=["furniture", "3, 1, 2, 3, 1"])
+    stop = ["furniture", "3, 1, 2, 3, 1"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, n=2, logprobs=3, stop=stop)
     want = llm.generate(PROMPTS, params)
     got = spec_llm.generate(PROMPTS, params)
     for w, g in zip(want, got, strict=True):
@@ -108,7 +110,9 @@ def test_n_stop_strings_and_logprobs(llm: LLM, spec_llm: LLM) -> None:
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
     ],
 )
-def test_greedy_identical_under_scheduling_regimes(llm: LLM, model_path: str, engine_args: dict[str, Any]) -> None:
+def test_greedy_identical_under_scheduling_regimes(
+    llm: LLM, model_path: str, engine_args: dict[str, Any]
+) -> None:
     spec = LLM(model_path, speculative_config=NGRAM_ANY_BATCH, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=64)
     assert token_ids(spec, PROMPTS, params) == token_ids(llm, PROMPTS, params)

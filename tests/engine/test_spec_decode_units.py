@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.spec_decode.config import SpeculativeConfig
 from pagedserve.server.spec_decode.ngram import propose_ngram
