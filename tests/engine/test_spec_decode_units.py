@@ -169,3 +169,54 @@ def test_acceptance_estimate_shortens_then_pauses_drafting() -> None:
     request.spec_acceptance, request.spec_cooldown = 1.0, 0
     proposer.propose([request], num_running=1)
     assert len(request.spec_token_ids) == 1
+
+
+# ---- scheduling drafts ---------------------------------------------------------------------------------
+
+
+def test_scheduler_fits_drafts_to_the_budget_and_drops_them_before_preempting() -> None:
+    from pagedserve.server.core.kv_cache_manager import KVCacheManager
+    from pagedserve.server.core.scheduler import Scheduler
+    from pagedserve.server.engine.output import RequestMetrics
+    from pagedserve.server.request import Request
+    from pagedserve.server.sampling_params import SamplingParams
+
+    def request(request_id: str, prompt: list[int]) -> Request:
+        return Request(request_id, prompt, SamplingParams(), max_tokens=100, eos_token_ids=frozenset(),
+                       metrics=RequestMetrics(0.0))
+
+    block = 4
+    kv = KVCacheManager(5, block, enable_caching=True, hash_seed="m")  # 20 tokens
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=3)
+    a = request("a", [1, 2, 3])
+    scheduler.add(a)
+    (item,) = scheduler.schedule().scheduled
+    a.num_computed_tokens += item.num_new_tokens
+    a.output_token_ids.append(4)  # 4 tokens, one block, 3 computed
+    a.spec_token_ids = [5, 6, 7, 8]
+    (item,) = scheduler.schedule().scheduled
+    assert (item.num_new_tokens, item.spec_token_ids) == (3, [5, 6])  # the budget of 3 cuts the drafts
+    assert item.completes_sequence
+    assert kv.req_num_cached["a"] == 1  # only the block of known tokens is registered, never a draft's
+    assert len(kv.blocks_of("a")) == 2
+    # one draft accepted and a bonus token: 6 known tokens, 5 computed (the core clears the drafts)
+    a.num_computed_tokens += 2
+    a.spec_token_ids = []
+    a.output_token_ids += [5, 9]
+    b = request("b", list(range(100, 111)))  # 11 tokens: the other 3 blocks
+    scheduler.max_num_batched_tokens = 100
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 1), ("b", 11)]
+    assert kv.pool.num_free_blocks == 0
+    for s in plan.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        s.request.output_token_ids.append(1)
+    a.spec_token_ids = [7, 7, 7, 7]  # would need a third block for "a": none is free
+    plan = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens, s.spec_token_ids) for s in plan.scheduled] == [
+        ("a", 1, []), ("b", 1, [])]
+    assert not plan.preempted and scheduler.num_preemptions == 0
+    scheduler.finish(a, a.status)
+    scheduler.finish(b, b.status)
+    assert kv.usage() == 0.0
