@@ -1,6 +1,8 @@
 """Continuous batching: each step takes running requests first, then waiting ones, within the token
 and sequence budgets. Prompts are split into chunks that share a forward pass with decodes; when blocks
 run out the newest running request is preempted (its blocks freed, recomputed later), FCFS otherwise.
+A decode carrying draft tokens (speculative decoding) takes 1 + drafts tokens; drafts are cut to the
+token budget and dropped, never the request, when their blocks do not fit.
 """
 
 from __future__ import annotations

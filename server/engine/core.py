@@ -2,8 +2,10 @@
 
 One ``step()`` schedules a batch, runs one forward pass, appends the sampled tokens and applies the
 stops that are decided on token ids (EOS, stop_token_ids, a finished grammar, max_tokens, max_model_len),
-then frees the blocks of finished requests. What each request gained comes back as an
-``EngineCoreOutput``; text, stop strings and logprob strings are made from those by
+then frees the blocks of finished requests. With ``speculative_config`` a request may gain several
+tokens in a step (its accepted drafts and one more, server/spec_decode/); they are appended one by one
+through the same stops, and the proposer then drafts for the next step. What each request gained comes
+back as an ``EngineCoreOutput``; text, stop strings and logprob strings are made from those by
 server/engine/output_processor.py, off the step thread (vLLM V1's EngineCore / front-end split).
 """
 
