@@ -186,3 +186,22 @@ def test_sampled_tokens_after_drafts_keep_the_target_distribution(llm: LLM, spec
     assert df >= 2
     assert stat < critical_value(df), (stat, df, with_spec.most_common(8), without.most_common(8))
     assert_idle(spec_llm)
+
+
+def test_grammar_requests_are_not_drafted_for_and_keep_their_output(llm: LLM, spec_llm: LLM) -> None:
+    """Structured outputs skip drafting (the matcher is not rolled back over rejected drafts); the other
+    requests of the same batch still draft."""
+    from pagedserve.server.sampling_params import StructuredOutputsParams
+
+    pattern = r"(ab){6}c"  # repetitive text an n-gram would draft for
+    grammar = SamplingParams(temperature=0.0, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))
+    drafted_before = spec_counts(spec_llm)[0]
+    (got,) = spec_llm.generate([PROMPTS[1]], grammar)
+    assert spec_counts(spec_llm)[0] == drafted_before
+    assert got.outputs[0].text == "ab" * 6 + "c"
+    plain = SamplingParams(temperature=0.0, max_tokens=20)
+    mixed = [grammar, plain]
+    assert token_ids(spec_llm, PROMPTS[1:3], mixed) == token_ids(llm, PROMPTS[1:3], mixed)
+    assert spec_counts(spec_llm)[0] > drafted_before
+    assert_idle(spec_llm)
