@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from pagedserve.server.spec_decode.config import SpeculativeConfig
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in fp32
 CPU_DEFAULT_BATCHED_TOKENS = 2048
@@ -52,8 +54,11 @@ class EngineConfig:
     # vLLM's calculate_kv_scales: set an FP8 cache's scales from the first prefill's K/V (amax / 448)
     # instead of 1.0.
     calculate_kv_scales: bool = False
+    # vLLM's dict (or its JSON text), parsed into server/spec_decode/config.py SpeculativeConfig; None: off
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -58,6 +58,11 @@ class Request:
     generator: torch.Generator | None = None  # made by the core, on its device
     # params.structured_outputs' matcher, this sample's own (server/structured_output/matcher.py)
     grammar: GrammarState | None = None
+    # Speculative decoding (server/spec_decode/): the drafts proposed for the next step, verified there and
+    # never part of the sequence until accepted; the EWMA of their acceptance and the pause it may cause.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_acceptance: float = 1.0
+    spec_cooldown: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

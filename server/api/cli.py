@@ -172,6 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--calculate-kv-scales", action="store_true", help="fp8 KV cache scales from the first prefill"
     )
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -198,6 +205,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         enable_kv_events=args.enable_kv_events,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
+        speculative_config=args.speculative_config,
     )
 
 

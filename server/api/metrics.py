@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 if TYPE_CHECKING:
     from pagedserve.server.engine.output import RequestOutput
     from pagedserve.server.engine.protocol import EngineClient
+    from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 
 LABELS = ["model_name", "engine"]
 TTFT_BUCKETS = [
@@ -154,11 +155,35 @@ class EngineStatsCollector:
         yield self._family(
             c, "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
         )
+        if s.spec_decoding is not None:
+            yield from self._spec_decoding(s.spec_decoding)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self.cache_info)
         )
         info.add_metric(list(self.cache_info.values()), 1.0)
         yield info
+
+
+    def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py SpecDecodingProm)."""
+        c = CounterMetricFamily
+        yield self._family(
+            c, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts
+        )
+        yield self._family(
+            c, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens
+        )
+        yield self._family(
+            c, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens
+        )
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self.label_values, str(position)], count)
+        yield per_pos
 
 
 def cache_config_info(engine: EngineClient) -> dict[str, str]:

@@ -1,6 +1,8 @@
 """Continuous batching: each step takes running requests first, then waiting ones, within the token
 and sequence budgets. Prompts are split into chunks that share a forward pass with decodes; when blocks
 run out the newest running request is preempted (its blocks freed, recomputed later), FCFS otherwise.
+A decode carrying draft tokens (speculative decoding) takes 1 + drafts tokens; drafts are cut to the
+token budget and dropped, never the request, when their blocks do not fit.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from pagedserve.server.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    # tokens computed this step, starting at request.num_computed_tokens, drafts included
+    num_new_tokens: int
+    # Draft tokens verified this step, after the last known token (server/spec_decode/rejection_sampler.py)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the last known token, so the step samples a new one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + num_known == self.request.num_tokens
 
 
 @dataclass
@@ -66,17 +72,28 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, num_new):
+            drafts = self._drafts_that_fit(request, num_new, budget)
+            while not self.kv.allocate(request, num_new + len(drafts)):
+                if drafts:  # drafts are dropped before anyone is preempted
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
                 index += 1
         return budget
+
+    @staticmethod
+    def _drafts_that_fit(request: Request, num_new: int, budget: int) -> list[int]:
+        """A decode's drafts (server/spec_decode/proposer.py), cut to the token budget's room."""
+        if num_new != 1 or not request.spec_token_ids:
+            return []
+        return request.spec_token_ids[: budget - 1]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -99,6 +116,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)

@@ -2,8 +2,10 @@
 
 One ``step()`` schedules a batch, runs one forward pass, appends the sampled tokens and applies the
 stops that are decided on token ids (EOS, stop_token_ids, a finished grammar, max_tokens, max_model_len),
-then frees the blocks of finished requests. What each request gained comes back as an
-``EngineCoreOutput``; text, stop strings and logprob strings are made from those by
+then frees the blocks of finished requests. With ``speculative_config`` a request may gain several
+tokens in a step (its accepted drafts and one more, server/spec_decode/); they are appended one by one
+through the same stops, and the proposer then drafts for the next step. What each request gained comes
+back as an ``EngineCoreOutput``; text, stop strings and logprob strings are made from those by
 server/engine/output_processor.py, off the step thread (vLLM V1's EngineCore / front-end split).
 """
 
@@ -22,6 +24,8 @@ from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.request import Request, RequestStatus
+from pagedserve.server.spec_decode.metrics import SpecDecodingStats
+from pagedserve.server.spec_decode.proposer import DraftProposer, record_acceptance
 from pagedserve.server.worker.model_runner import ModelRunner
 from pagedserve.server.worker.sampler import SampledToken
 
@@ -47,6 +51,9 @@ class EngineCore:
             enable_kv_events=config.enable_kv_events,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
+        spec = config.speculative_config
+        self.proposer = DraftProposer(spec, config.max_model_len or 0) if spec is not None else None
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -174,33 +181,38 @@ class EngineCore:
         except Exception as exc:
             raise self._fail_step([s.request for s in plan.scheduled], exc) from exc
         for item in plan.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            # Drafts count as computed only once accepted, below: a rejected draft's KV slot is rewritten.
+            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            item.request.spec_token_ids = []
+        drafts = {s.request.request_id: s.spec_token_ids for s in plan.scheduled if s.spec_token_ids}
         now = time.time()
         outputs = []
         failed: dict[str, Exception] = {}
-        for request, token in sampled:
-            if isinstance(token, Exception):  # its row alone failed (server/worker/sampler.py sample_each)
-                failed[request.request_id] = token
+        for request, tokens in sampled:
+            if isinstance(tokens, Exception):  # its row alone failed (server/worker/sampler.py sample_each)
+                failed[request.request_id] = tokens
                 continue
-            if request.grammar is not None and not request.grammar.accept(token.token_id):
-                failed[request.request_id] = RuntimeError(
-                    f"the grammar refused token {token.token_id}: {request.grammar.error}")
+            if request.request_id in drafts:
+                self._record_drafts(request, drafts[request.request_id], len(tokens) - 1)
+            appended = self._append_tokens(request, tokens, now)
+            if isinstance(appended, Exception):
+                failed[request.request_id] = appended
                 continue
-            self._append_token(request, token, now)
             if request.finished:
                 self.scheduler.finish(request, request.status)
                 del self.requests[request.request_id]
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token.token_id],
-                    new_logprobs=[token] if request.params.logprobs is not None else None,
+                    new_token_ids=[token.token_id for token in appended],
+                    new_logprobs=appended if request.params.logprobs is not None else None,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     metrics=request.metrics,
                     # Complete once the first token is sampled, and sent with it, once.
-                    prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else None,
+                    prompt_logprobs=request.prompt_logprobs
+                    if request.num_output_tokens == len(appended) else None,
                 )
             )
         if failed:
@@ -209,7 +221,30 @@ class EngineCore:
             cause = next(iter(failed.values()))
             self.abort_requests(list(failed))
             raise StepError(list(failed), cause, outputs) from cause
+        if self.proposer is not None:
+            self.proposer.propose([r for r, _ in sampled if r.request_id in self.requests],
+                                  len(self.scheduler.running))
         return outputs
+
+    def _append_tokens(self, request: Request, tokens: list[SampledToken],
+                       now: float) -> list[SampledToken] | Exception:
+        """Append a step's tokens in order until one of them finishes the request; those after it are
+        dropped. Accepted drafts count as computed (their KV was written while verifying them)."""
+        appended: list[SampledToken] = []
+        for token in tokens:
+            if appended:
+                request.num_computed_tokens += 1  # the previous token was an accepted draft
+            if request.grammar is not None and not request.grammar.accept(token.token_id):
+                return RuntimeError(f"the grammar refused token {token.token_id}: {request.grammar.error}")
+            self._append_token(request, token, now)
+            appended.append(token)
+            if request.finished:
+                break
+        return appended
+
+    def _record_drafts(self, request: Request, drafts: list[int], num_accepted: int) -> None:
+        self.spec_stats.record(len(drafts), num_accepted)
+        record_acceptance(request, len(drafts), num_accepted)
 
     def _fail_step(self, requests: list[Request], exc: BaseException) -> StepError:
         logger.exception("engine step failed; aborting %d requests", len(requests))
@@ -258,6 +293,7 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             num_gpu_blocks=self.num_blocks,
             block_size=self.config.block_size,
+            spec_decoding=self.spec_stats.snapshot() if self.proposer is not None else None,
         )
 
 

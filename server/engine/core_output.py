@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedserve.server.worker.sampler import SampledToken
@@ -26,6 +27,7 @@ class EngineStats:
     generation_tokens: int
     num_gpu_blocks: int
     block_size: int
+    spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
 
 
 @dataclass

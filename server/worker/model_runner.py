@@ -5,6 +5,8 @@ requests whose chunk reaches their last known token are sampled; a partial promp
 its blocks, and gives its positions' prompt logprobs to a request that asked for them
 (server/worker/prompt_logprobs.py appends those to ``Request.prompt_logprobs``). The grammar bitmask of
 the sampled requests is filled once the forward pass is launched (server/structured_output/bitmask.py).
+A decode with draft tokens runs as a short chunk (the last known token, then the drafts) whose every
+position gets logits; server/spec_decode/rejection_sampler.py keeps the drafts the target agrees with.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pagedserve.server.backend import Backend
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.request import Request
+from pagedserve.server.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
 from pagedserve.server.worker.prompt_logprobs import (
@@ -35,6 +38,11 @@ class StepInputs:
     sample_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled_requests: list[Request]
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # Decodes with drafts: hidden rows of the last known token and of each draft, request after request
+    spec_indices: list[int] = field(default_factory=list)
+    spec_requests: list[ScheduledRequest] = field(default_factory=list)
+
+StepResult = list[tuple[Request, list[SampledToken] | Exception]]
 
 
 class ModelRunner:
@@ -82,10 +90,9 @@ class ModelRunner:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
     @torch.inference_mode()
-    def execute(
-        self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
-    ) -> list[tuple[Request, SampledToken | Exception]]:
-        """One forward pass; each sampled request's token, or the exception its row alone raised."""
+    def execute(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepResult:
+        """One forward pass; each sampled request's new tokens (one, or the accepted drafts and one more),
+        or the exception its row alone raised."""
         inputs = self.prepare(scheduled, block_ids)
         if self.graphs is not None and self.graphs.fits(inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -97,11 +104,29 @@ class ModelRunner:
             grammar.bits = self._to_device(grammar.bits)
         for rows in inputs.prompt_logprob_rows:
             record_prompt_logprobs(self.model, hidden, rows)
-        if not inputs.sampled_requests:
-            return []
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        sampled = sample_each(logits, inputs.sampled_requests, grammar)
-        return list(zip(inputs.sampled_requests, sampled, strict=True))
+        results: StepResult = []
+        if inputs.sampled_requests:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+            sampled = sample_each(logits, inputs.sampled_requests, grammar)
+            results = [(r, t if isinstance(t, Exception) else [t])
+                       for r, t in zip(inputs.sampled_requests, sampled, strict=True)]
+        if inputs.spec_requests:
+            results.extend(self._verify(hidden, inputs))
+        return results
+
+    def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> StepResult:
+        spec_rows = self._to_device(torch.tensor(inputs.spec_indices, dtype=torch.long))
+        logits = self.model.compute_logits(hidden.index_select(0, spec_rows))
+        results: StepResult = []
+        first = 0
+        for item in inputs.spec_requests:
+            rows = logits[first:first + len(item.spec_token_ids) + 1]
+            first += rows.shape[0]
+            try:
+                results.append((item.request, verify_drafts(rows, item.request, item.spec_token_ids)))
+            except Exception as exc:  # this request's rows: it fails alone, as in sample_each
+                results.append((item.request, exc))
+        return results
 
     def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -113,17 +138,24 @@ class ModelRunner:
         context_lens: list[int] = []
         sample_indices: list[int] = []
         sampled: list[Request] = []
+        spec_indices: list[int] = []
+        spec_requests: list[ScheduledRequest] = []
         prompt_rows: list[PromptLogprobRows] = []
         for row, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
             if (wanted := prompt_logprob_rows(request, len(token_ids), start, end)) is not None:
                 prompt_rows.append(wanted)
-            token_ids.extend(request.token_slice(start, end))
+            num_drafts = len(item.spec_token_ids)
+            token_ids.extend(request.token_slice(start, end - num_drafts))
+            token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
             rows.extend([row] * item.num_new_tokens)
             context_lens.append(end)
-            if item.completes_sequence:
+            if num_drafts:
+                spec_indices.extend(range(len(token_ids) - num_drafts - 1, len(token_ids)))
+                spec_requests.append(item)
+            elif item.completes_sequence:
                 sample_indices.append(len(token_ids) - 1)
                 sampled.append(request)
         tables = _pad_block_tables([block_ids[s.request.request_id] for s in ordered])
@@ -152,6 +184,8 @@ class ModelRunner:
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,
+            spec_indices=spec_indices,
+            spec_requests=spec_requests,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

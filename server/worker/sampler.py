@@ -107,6 +107,15 @@ def sample_each(logits: torch.Tensor, requests: list[Request],
 
 def sample_on_device(logits: torch.Tensor, requests: list[Request],
                      grammar: GrammarBitmask | None = None) -> SamplerOutput:
+    logits, raw_logprobs = process_logits(logits, requests, grammar)
+    return sampler_output(_choose(logits, requests), raw_logprobs, requests)
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request],
+                   grammar: GrammarBitmask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Everything before the choice of a token: the masks, the bias and the penalties; and the raw logprobs
+    (None when no request asked for them). The rejection sampler (server/spec_decode/rejection_sampler.py)
+    verifies drafts against exactly these."""
     logits = apply_grammar_bitmask(logits.float(), grammar)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if _any_logprobs(requests) else None
     logits = _apply_allowed_token_ids(logits, requests)
@@ -114,7 +123,11 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request],
     logits = _apply_min_tokens(logits, requests)
     logits = _apply_logit_bias(logits, requests)
     logits = _apply_penalties(logits, requests)
-    token_ids = _choose(logits, requests)
+    return logits, raw_logprobs
+
+
+def sampler_output(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                   requests: list[Request]) -> SamplerOutput:
     logprobs = _logprob_tensors(raw_logprobs, token_ids, requests) if raw_logprobs is not None else None
     return SamplerOutput(token_ids, logprobs)
 
@@ -239,13 +252,13 @@ def _choose(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     random_rows = [row for row, r in enumerate(requests) if not r.params.greedy]
     if random_rows:
         index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        probs = _filtered_probs(logits.index_select(0, index), [requests[r] for r in random_rows])
-        picks = _exponential_race(probs, [requests[r].generator for r in random_rows])
+        probs = filtered_probs(logits.index_select(0, index), [requests[r] for r in random_rows])
+        picks = exponential_race(probs, [requests[r].generator for r in random_rows])
         chosen = chosen.index_copy(0, index, picks)
     return chosen
 
 
-def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, then min-p, then top-k and top-p (vLLM's order), as probabilities."""
     device = logits.device
 
@@ -281,7 +294,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) samples from p; seeded rows draw E from their own generator."""
     noise = torch.empty_like(probs)
     unseeded = [row for row, g in enumerate(generators) if g is None]

@@ -1,0 +1,69 @@
+"""Decides, after each step, which requests get draft tokens for the next one and how many.
+
+Drafting must not slow down what it cannot help (issue 18), so a request is not drafted for when:
+- it has a grammar (the matcher would have to verify and roll back each draft; skipped instead),
+- more than ``disable_by_batch_size`` requests run (vLLM's knob: the forward is compute-bound there and
+  extra positions cost about what they save),
+- its acceptance estimate is low: an EWMA of the share of drafts accepted per step shortens ``k`` in
+  proportion and, below ``OFF_BELOW``, stops drafting for ``COOLDOWN_STEPS`` steps, after which one short
+  probe is made again (text changes: a rewrite may follow a free-form preamble).
+Drafts never pass max_tokens or max_model_len: the token after the last draft is always emitted too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pagedserve.server.request import Request
+from pagedserve.server.spec_decode.config import SpeculativeConfig
+from pagedserve.server.spec_decode.ngram import propose_ngram
+
+EWMA_WEIGHT = 0.3  # weight of the newest step in the acceptance estimate
+FULL_AT = 0.5  # estimate from which the full k is drafted; below it k shrinks in proportion
+OFF_BELOW = 0.15  # estimate under which drafting pauses
+COOLDOWN_STEPS = 8
+
+
+class DraftProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, requests: list[Request], num_running: int) -> None:
+        """Set ``spec_token_ids`` of each request for the next step (empty: a plain decode)."""
+        batch_too_large = num_running > self.config.disable_by_batch_size
+        for request in requests:
+            request.spec_token_ids = [] if batch_too_large else self._drafts(request)
+
+    def _drafts(self, request: Request) -> list[int]:
+        if request.grammar is not None or request.finished:
+            return []
+        if request.spec_cooldown > 0:
+            request.spec_cooldown -= 1
+            return []
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+        k = min(self._allowed(request.spec_acceptance), room - 1)
+        if k < 1:
+            return []
+        tokens = np.fromiter(_all_tokens(request), dtype=np.int64, count=request.num_tokens)
+        cfg = self.config
+        assert cfg.prompt_lookup_min is not None and cfg.prompt_lookup_max is not None
+        return propose_ngram(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+
+    def _allowed(self, acceptance: float) -> int:
+        k = self.config.num_speculative_tokens
+        return max(1, min(k, round(k * acceptance / FULL_AT)))
+
+
+def record_acceptance(request: Request, num_drafts: int, num_accepted: int) -> None:
+    """Fold one verified step into the request's acceptance estimate; pause drafting when it is low."""
+    rate = num_accepted / num_drafts
+    request.spec_acceptance = (1 - EWMA_WEIGHT) * request.spec_acceptance + EWMA_WEIGHT * rate
+    if request.spec_acceptance < OFF_BELOW:
+        request.spec_cooldown = COOLDOWN_STEPS
+        request.spec_acceptance = OFF_BELOW * 2  # one short probe after the pause
+
+
+def _all_tokens(request: Request):
+    yield from request.prompt_token_ids
+    yield from request.output_token_ids

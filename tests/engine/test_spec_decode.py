@@ -1,0 +1,207 @@
+"""n-gram speculative decoding through ``LLM`` on the embedded model: greedy output identical to the same
+engine without speculation, under every scheduling regime, and sampling at temperature > 0 distributed as
+without it. Held-out prompts: some copy their input (drafts are accepted), some do not."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Drafting is off above disable_by_batch_size running requests; these tests batch more than its default.
+NGRAM_ANY_BATCH = {**NGRAM, "disable_by_batch_size": 512}
+
+PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion "
+           "about heating costs and the price of books, the members agreed to spend less on furniture.")
+PROMPTS = [
+    f"Repeat the following text word for word.\nText: {PASSAGE}\nRepeated text: The committee",
+    "Count: 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    f"Extract the names of the things the committee discussed.\n{PASSAGE}\nThings:",
+    "Write a short poem about the sea.",  # nothing to copy
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(model_path: str) -> LLM:
+    return LLM(model_path, speculative_config=NGRAM_ANY_BATCH)
+
+
+def token_ids(llm: LLM, prompts: list[Any], params: Any) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+def assert_idle(llm: LLM) -> None:
+    core = llm.engine.core
+    assert not core.scheduler.has_unfinished() and not core.kv.req_blocks
+    assert core.kv.usage() == 0.0, "blocks still referenced"
+
+
+def spec_counts(llm: LLM) -> tuple[int, int]:
+    stats = llm.engine.core.stats().spec_decoding
+    assert stats is not None
+    return stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def test_greedy_output_is_identical_and_drafts_are_accepted(llm: LLM, spec_llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    before = spec_counts(spec_llm)
+    assert token_ids(spec_llm, PROMPTS, params) == token_ids(llm, PROMPTS, params)
+    drafted, accepted = (a - b for a, b in zip(spec_counts(spec_llm), before, strict=True))
+    assert 0 < accepted <= drafted
+    assert_idle(spec_llm)
+
+
+def test_greedy_one_at_a_time_with_the_default_batch_limit(llm: LLM, model_path: str) -> None:
+    """batch 1, as a single user sees it, with the shipped disable_by_batch_size."""
+    spec = LLM(model_path, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    for prompt in PROMPTS[:3] + PROMPTS[4:5]:
+        assert token_ids(spec, [prompt], params) == token_ids(llm, [prompt], params)
+    assert spec_counts(spec)[1] > 0
+    assert_idle(spec)
+
+
+def test_max_tokens_and_stop_tokens_landing_mid_draft(llm: LLM, spec_llm: LLM) -> None:
+    """A draft run accepted past max_tokens or past a stop token is cut at it; the tokens after it drop."""
+    prompts = PROMPTS[:3] * 4
+    lengths = (1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15)
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in lengths]
+    assert token_ids(spec_llm, prompts, params) == token_ids(llm, prompts, params)
+    (reference,) = token_ids(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=30))
+    for index in (4, 9, 14):
+        stop = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[reference[0][index]])
+        (got,) = token_ids(spec_llm, PROMPTS[:1], stop)
+        (want,) = token_ids(llm, PROMPTS[:1], stop)
+        assert got == want and len(got[0]) <= index + 1
+    assert_idle(spec_llm)
+
+
+def test_n_stop_strings_and_logprobs(llm: LLM, spec_llm: LLM) -> None:
+    stop = ["furniture", "3, 1, 2, 3, 1"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, n=2, logprobs=3, stop=stop)
+    want = llm.generate(PROMPTS, params)
+    got = spec_llm.generate(PROMPTS, params)
+    for w, g in zip(want, got, strict=True):
+        for wc, gc in zip(w.outputs, g.outputs, strict=True):
+            assert (gc.text, gc.token_ids, gc.finish_reason, gc.stop_reason) == (
+                wc.text, wc.token_ids, wc.finish_reason, wc.stop_reason)
+            assert gc.logprobs is not None and wc.logprobs is not None
+            for g_pos, w_pos in zip(gc.logprobs, wc.logprobs, strict=True):
+                assert list(g_pos) == list(w_pos)  # the same tokens, in the same order
+                for token in w_pos:
+                    assert g_pos[token].logprob == pytest.approx(w_pos[token].logprob, abs=2e-3)
+    assert any(c.stop_reason == "furniture" for o in got for c in o.outputs)
+    assert_idle(spec_llm)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        pytest.param({"max_num_batched_tokens": 16}, id="chunked-16"),  # the budget also cuts the drafts
+        # 12 blocks of 16 hold about two of these sequences: the others are preempted while drafting
+        pytest.param({"num_gpu_blocks_override": 12, "max_model_len": 160}, id="preemption"),
+        pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+    ],
+)
+def test_greedy_identical_under_scheduling_regimes(
+    llm: LLM, model_path: str, engine_args: dict[str, Any]
+) -> None:
+    spec = LLM(model_path, speculative_config=NGRAM_ANY_BATCH, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    assert token_ids(spec, PROMPTS, params) == token_ids(llm, PROMPTS, params)
+    if "num_gpu_blocks_override" in engine_args:
+        assert spec.engine.core.scheduler.num_preemptions > 0
+    assert spec_counts(spec)[1] > 0
+    assert_idle(spec)
+
+
+def test_prefix_cache_never_holds_a_rejected_draft(llm: LLM, spec_llm: LLM) -> None:
+    """Blocks filled while drafting are registered in the prefix cache only with accepted tokens' KV: a
+    second request whose prompt is the first one's prompt and output reuses them and must still match."""
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    tokenizer = spec_llm.get_tokenizer()
+    for prompt in PROMPTS[:4]:
+        prompt_ids = tokenizer.encode(prompt)
+        (first,) = token_ids(spec_llm, [prompt], params)
+        follow_up = {"prompt_token_ids": prompt_ids + first[0] + prompt_ids[:8]}
+        hits_before = spec_llm.engine.core.kv.prefix_hits
+        assert token_ids(spec_llm, [follow_up], params) == token_ids(llm, [follow_up], params)
+        assert spec_llm.engine.core.kv.prefix_hits - hits_before >= len(prompt_ids + first[0]) // 16 * 16 - 16
+    assert_idle(spec_llm)
+
+
+def test_seeded_sampling_is_reproducible(spec_llm: LLM) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=s) for s in range(len(PROMPTS))]
+    assert token_ids(spec_llm, PROMPTS, params) == token_ids(spec_llm, PROMPTS, params)
+
+
+# ---- temperature > 0: the distribution is unchanged -----------------------------------------------------
+
+COUNTING = "Count: 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,"  # next " 2" is likely, not certain: drafts get rejected
+SAMPLES = 400
+
+
+def chi_square_homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
+    """Two-sample chi-square over the categories both samples share often enough (the rest pooled)."""
+    total_a, total_b = sum(a.values()), sum(b.values())
+    common = [c for c in set(a) | set(b) if (a[c] + b[c]) * min(total_a, total_b) / (total_a + total_b) >= 5]
+    rows = [(a[c], b[c]) for c in common]
+    rows.append((total_a - sum(r[0] for r in rows), total_b - sum(r[1] for r in rows)))
+    rows = [r for r in rows if sum(r) > 0]
+    stat = 0.0
+    for count_a, count_b in rows:
+        pooled = (count_a + count_b) / (total_a + total_b)
+        for count, total in ((count_a, total_a), (count_b, total_b)):
+            expected = pooled * total
+            stat += (count - expected) ** 2 / expected
+    return stat, len(rows) - 1
+
+
+def critical_value(df: int) -> float:
+    """chi-square(df) upper 0.1% quantile (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + 3.0902 * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_tokens_after_drafts_keep_the_target_distribution(llm: LLM, spec_llm: LLM) -> None:
+    """The 2nd and 3rd tokens of a counting prompt come from verified drafts (the n-gram proposes " 2, 3"
+    after the first token); their joint distribution over many seeded samples matches the plain engine's."""
+    def pairs(engine: LLM, first_seed: int) -> Counter:
+        params = [SamplingParams(temperature=1.0, max_tokens=3, seed=first_seed + i) for i in range(SAMPLES)]
+        outputs = engine.generate([COUNTING] * SAMPLES, params)
+        return Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outputs)
+
+    drafted_before, accepted_before = spec_counts(spec_llm)
+    with_spec, without = pairs(spec_llm, 0), pairs(llm, 10_000)
+    drafted, accepted = spec_counts(spec_llm)
+    assert drafted - drafted_before >= SAMPLES * 0.9  # nearly every sample verified a draft
+    assert 0 < accepted - accepted_before < drafted - drafted_before  # some accepted, some rejected
+    stat, df = chi_square_homogeneity(with_spec, without)
+    assert df >= 2
+    assert stat < critical_value(df), (stat, df, with_spec.most_common(8), without.most_common(8))
+    assert_idle(spec_llm)
+
+
+def test_grammar_requests_are_not_drafted_for_and_keep_their_output(llm: LLM, spec_llm: LLM) -> None:
+    """Structured outputs skip drafting (the matcher is not rolled back over rejected drafts); the other
+    requests of the same batch still draft."""
+    from pagedserve.server.sampling_params import StructuredOutputsParams
+
+    pattern = r"(ab){6}c"  # repetitive text an n-gram would draft for
+    grammar = SamplingParams(temperature=0.0, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))
+    drafted_before = spec_counts(spec_llm)[0]
+    (got,) = spec_llm.generate([PROMPTS[1]], grammar)
+    assert spec_counts(spec_llm)[0] == drafted_before
+    assert got.outputs[0].text == "ab" * 6 + "c"
+    plain = SamplingParams(temperature=0.0, max_tokens=20)
+    mixed = [grammar, plain]
+    assert token_ids(spec_llm, PROMPTS[1:3], mixed) == token_ids(llm, PROMPTS[1:3], mixed)
+    assert spec_counts(spec_llm)[0] > drafted_before
+    assert_idle(spec_llm)
