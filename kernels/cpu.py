@@ -37,11 +37,15 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "store_kv_cache",
+    "w8a16_matmul",
 ]
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp")
+# Rows from which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM: below it the step reads
+# weights (int8 is 4x fewer bytes), above it it computes (benchmarks/quantized_linear.py measures it).
+W8A16_MAX_NATIVE_ROWS = 16
 
 
 @functools.cache
@@ -159,3 +163,20 @@ def fused_moe(
     weighted = expert_out.float() * topk_weights.reshape(-1)[order, None].float()
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
+def w8a16_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Same contract as ``reference.w8a16_matmul``: ``kernels/csrc/w8a16_cpu.cpp`` for decode-sized
+    batches; for more rows the matrix is dequantized once and the fp32 GEMM runs (compute-bound there,
+    where the dequantization's ``N * K`` work is small beside the ``M * N * K`` product)."""
+    ops = _native(x, scale, *(() if bias is None else (bias,)))
+    if ops is None:
+        return reference.w8a16_matmul(x, weight, scale, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > W8A16_MAX_NATIVE_ROWS:
+        out = F.linear(x2, weight.to(torch.float32) * scale[:, None], bias)
+    else:
+        out = ops.w8a16_matmul(x2, weight, scale, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -272,3 +272,16 @@ def fused_moe(
         expert_out = F.linear(silu_and_mul(F.linear(hidden[token], w13[expert])), w2[expert])
         out.index_add_(0, token, expert_out.float() * topk_weights[token, slot, None].float())
     return out.to(hidden.dtype)
+
+
+def w8a16_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weight-only INT8 matmul: ``x @ (weight * scale[:, None]).T + bias``.
+
+    ``x`` ``[..., K]`` float, ``weight`` int8 ``[N, K]``, ``scale`` ``[N]`` (one per output channel),
+    ``bias`` ``[N]`` or None -> ``[..., N]`` in ``x``'s dtype. The int8 values are exact in every float
+    dtype, so the product runs in ``x``'s dtype and the scale is applied to it, once per output.
+    """
+    out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)

@@ -40,6 +40,9 @@ class EngineConfig:
     # "triton" | "cpu" | "torch"; None: $PAGEDSERVE_ATTENTION_BACKEND, else by device (server/backend.py).
     # The engine sets it to the backend it runs.
     attention_backend: str | None = None
+    # Weight quantization applied at load (server/layers/quantization/): None (the checkpoint's dtype)
+    # or "int8" (weight-only, per output channel).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -61,6 +64,15 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization is not None:
+            from pagedserve.server.layers.quantization import QUANTIZATION_METHODS
+
+            self.quantization = self.quantization.lower()
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+                    f"got {self.quantization!r}"
+                )
         if self.generation_config not in ("auto", "vllm") and not (
             Path(self.generation_config).expanduser() / "generation_config.json"
         ).is_file():

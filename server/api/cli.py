@@ -160,6 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="request defaults from generation_config.json: auto (the model's), vllm (none) or a folder",
     )
+    engine.add_argument(
+        "--quantization", "-q", default=None,
+        help="quantize the weights at load: int8 (weight-only, per output channel); default none",
+    )  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -183,6 +187,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         generation_config=args.generation_config,
+        quantization=args.quantization,
     )
 
 
