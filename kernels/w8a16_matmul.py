@@ -26,7 +26,7 @@ def _w8a16_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -40,7 +40,7 @@ def _w8a16_kernel(
         k_ok = (k0 + ks) < K
         x = tl.load(x_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_tile + k0, mask=k_ok[:, None] & col_ok[None, :], other=0)
-        acc += tl.dot(x, w.to(x.dtype))
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -66,7 +66,7 @@ def w8a16_matmul(
             x2, weight, scale, bias if bias is not None else scale, out,
             m, n, k,
             x2.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None,
+            HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
