@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (both runs)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine: requests per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine: tokens per step")
+    parser.add_argument("--quantization", default=None, help="engine: weight quantization (int8)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up calls")
     parser.add_argument("--skip-engine", action="store_true", help="run only the HF side (with --compare hf)")
     parser.add_argument("--result-json", default=None, help="write the figures to this file")
@@ -107,6 +108,8 @@ def run_engine(model_path: str, workload: list, args: argparse.Namespace, device
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
     t = time.perf_counter()
     llm = LLM(model=model_path, **kwargs)
     load_s = time.perf_counter() - t

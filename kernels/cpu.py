@@ -45,7 +45,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp")
 # Rows from which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM: below it the step reads
 # weights (int8 is 4x fewer bytes), above it it computes (benchmarks/quantized_linear.py measures it).
-W8A16_MAX_NATIVE_ROWS = 16
+W8A16_MAX_NATIVE_ROWS = 32
 
 
 @functools.cache
