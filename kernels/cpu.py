@@ -43,9 +43,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp")
-# Rows from which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM: below it the step reads
-# weights (int8 is 4x fewer bytes), above it it computes (benchmarks/quantized_linear.py measures it).
-W8A16_MAX_NATIVE_ROWS = 32
+# Rows above which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM. Measured here
+# (benchmarks/quantized_linear.py, benchmarks/README.md): the C++ kernel is 1.6-2.9x oneDNN fp32 at one
+# row, on par at 32, 0.8-1.0x at 64, while dequantizing costs 1.3-15x a 64-row product; at prefill
+# sizes (thousands of rows) the dequantization is a few percent of the GEMM.
+W8A16_MAX_NATIVE_ROWS = 128
 
 
 @functools.cache
