@@ -112,3 +112,14 @@ def test_unknown_quantization_lists_the_known_modes() -> None:
     with pytest.raises(ValueError, match="int8"):
         EngineConfig(quantization="gptq")
     assert EngineConfig(quantization="INT8").quantization == "int8"
+
+
+def test_int8_dummy_weights_are_quantized_random_matrices(default_model_path: str) -> None:
+    """``load_format="dummy"`` (benchmarks of shapes without a checkpoint) fills int8 projections through
+    their method: N(0, 0.02) quantized, so each channel's scale is about its max / 127."""
+    backend = select_backend(torch.device("cpu"), torch.float32)
+    model, _ = load_model(default_model_path, "float32", "cpu", backend=backend, load_format="dummy",
+                          quantization="int8")
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == torch.int8 and int(o_proj.weight.abs().max()) == 127
+    assert 0.02 * 2 / 127 < float(o_proj.weight_scale.mean()) < 0.02 * 6 / 127
