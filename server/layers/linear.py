@@ -60,6 +60,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, layer.weight, bias)
 
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` ``[sum(output_sizes), in_features]``.
@@ -109,16 +112,31 @@ class Linear(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding ``[vocab_size, hidden_size]``; the LM head shares it when embeddings are tied."""
+    """Token embedding ``[vocab_size, hidden_size]``; the LM head shares it when embeddings are tied.
+
+    Its weight is a ``hidden -> vocab`` projection's, so it takes a ``LinearMethod`` as ``Linear`` does
+    (the loader quantizes it when it is the tied head: each row is an output channel of the head);
+    ``as_head(hidden)`` is that projection and ``forward(ids)`` looks rows up through the method.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.set_method(UnquantizedLinearMethod())
+
+    def set_method(self, method: LinearMethod) -> None:
+        self.method = method
+        method.create_weights(self, self.hidden_size, self.vocab_size, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self.method.embedding(self, input_ids)
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ weight.T``: the tied LM head's logits, in the model dtype."""
+        return self.method.apply(self, hidden, None)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        copy_weight(self, name, tensor)
+        if name != "weight":
+            raise ValueError(f"VocabEmbedding has no {name!r} parameter")
+        self.method.load_weight(self, tensor)

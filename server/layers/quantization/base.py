@@ -30,3 +30,8 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` for ``x`` ``[..., in_features]``."""
+
+    @abstractmethod
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``W`` in the model dtype (a tied embedding: server/layers/linear.py
+        ``VocabEmbedding``)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from pagedserve.server.layers.quantization.base import LinearMethod
 from torch import nn
 
@@ -56,3 +57,7 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.matmul(x, layer.weight, layer.weight_scale, bias)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, layer.weight).to(layer.dtype)
+        return rows * F.embedding(ids, layer.weight_scale[:, None]).to(layer.dtype)
