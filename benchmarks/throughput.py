@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine: requests per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine: tokens per step")
     parser.add_argument("--kv-cache-dtype", default="auto", help="engine: auto | fp8 (the KV cache's dtype)")
+    parser.add_argument("--quantization", default=None, help="engine: weight quantization (int8)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up calls")
     parser.add_argument("--skip-engine", action="store_true", help="run only the HF side (with --compare hf)")
     parser.add_argument("--result-json", default=None, help="write the figures to this file")
@@ -109,6 +110,8 @@ def run_engine(model_path: str, workload: list, args: argparse.Namespace, device
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
     t = time.perf_counter()
     llm = LLM(model=model_path, **kwargs)
     load_s = time.perf_counter() - t

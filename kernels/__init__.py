@@ -18,6 +18,7 @@ KERNELS = (
     "apply_rotary",
     "silu_and_mul",
     "fused_moe",
+    "w8a16_matmul",
 )
 
 try:
@@ -28,6 +29,7 @@ try:
     from .rms_norm import fused_add_rms_norm, rms_norm
     from .silu_and_mul import silu_and_mul
     from .store_kv_cache import store_kv_cache
+    from .w8a16_matmul import w8a16_matmul
 except ImportError as exc:  # no triton on this platform
     _reason = str(exc)
 
@@ -52,4 +54,5 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "store_kv_cache",
+    "w8a16_matmul",
 ]

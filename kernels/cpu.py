@@ -38,11 +38,17 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "store_kv_cache",
+    "w8a16_matmul",
 ]
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp")
+# Rows above which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM. Measured here
+# (benchmarks/quantized_linear.py, benchmarks/README.md): the C++ kernel is 1.6-2.9x oneDNN fp32 at one
+# row, on par at 32, 0.8-1.0x at 64, while dequantizing costs 1.3-15x a 64-row product; at prefill
+# sizes (thousands of rows) the dequantization is a few percent of the GEMM.
+W8A16_MAX_NATIVE_ROWS = 128
 
 
 @functools.cache
@@ -169,3 +175,20 @@ def fused_moe(
     weighted = expert_out.float() * topk_weights.reshape(-1)[order, None].float()
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
+def w8a16_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Same contract as ``reference.w8a16_matmul``: ``kernels/csrc/w8a16_cpu.cpp`` for decode-sized
+    batches; for more rows the matrix is dequantized once and the fp32 GEMM runs (compute-bound there,
+    where the dequantization's ``N * K`` work is small beside the ``M * N * K`` product)."""
+    ops = _native(x, scale, *(() if bias is None else (bias,)))
+    if ops is None:
+        return reference.w8a16_matmul(x, weight, scale, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > W8A16_MAX_NATIVE_ROWS:
+        out = F.linear(x2, weight.to(torch.float32) * scale[:, None], bias)
+    else:
+        out = ops.w8a16_matmul(x2, weight, scale, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])

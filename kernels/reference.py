@@ -323,3 +323,16 @@ def _storage_view(cache: torch.Tensor) -> torch.Tensor:
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``cache[table]`` in float32, FP8 blocks times their scale."""
     return dequantize_kv(_storage_view(cache)[table].view(cache.dtype), scale, torch.float32)
+
+
+def w8a16_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Weight-only INT8 matmul: ``x @ (weight * scale[:, None]).T + bias``.
+
+    ``x`` ``[..., K]`` float, ``weight`` int8 ``[N, K]``, ``scale`` ``[N]`` (one per output channel),
+    ``bias`` ``[N]`` or None -> ``[..., N]`` in ``x``'s dtype. The int8 values are exact in every float
+    dtype, so the product runs in ``x``'s dtype and the scale is applied to it, once per output.
+    """
+    out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)

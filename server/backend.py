@@ -4,7 +4,8 @@ The engine (server/engine/llm_engine.py) calls ``select_backend`` once and hands
 construction (server/loader/weights.py ``load_model``) and to the model runner
 (server/worker/model_runner.py), which asks it whether decode steps may run in CUDA graphs
 (server/worker/cuda_graphs.py). Nothing else picks kernels: the model binds ``backend.kernels`` into
-every layer when it is built.
+every layer when it is built, and the quantized weight formats (server/layers/quantization/) run its
+``w8a16_matmul`` (Triton on CUDA, kernels/csrc/w8a16_cpu.cpp on the CPU, the reference otherwise).
 
 Backends (every one a module with the functions named in ``pagedserve.kernels.KERNELS``):
 

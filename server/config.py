@@ -56,6 +56,9 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     # vLLM's dict (or its JSON text), parsed into server/spec_decode/config.py SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Weight quantization applied at load (server/layers/quantization/): None (the checkpoint's dtype)
+    # or "int8" (weight-only, per output channel).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -86,6 +89,15 @@ class EngineConfig:
         if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
             raise ValueError("calculate_kv_scales needs an fp8 kv_cache_dtype (the scales of an "
                              f"{self.kv_cache_dtype!r} cache do nothing)")
+        if self.quantization is not None:
+            from pagedserve.server.layers.quantization import QUANTIZATION_METHODS
+
+            self.quantization = self.quantization.lower()
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+                    f"got {self.quantization!r}"
+                )
         if self.generation_config not in ("auto", "vllm") and not (
             Path(self.generation_config).expanduser() / "generation_config.json"
         ).is_file():

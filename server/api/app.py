@@ -136,6 +136,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         return VersionResponse(
             version=__version__,
             backend=engine.config.attention_backend,
+            quantization=engine.config.quantization,
             architectures=supported_architectures(),
         )
 

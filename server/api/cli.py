@@ -179,6 +179,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s keys: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
+    engine.add_argument(
+        "--quantization", "-q", default=None,
+        help="quantize the weights at load: int8 (weight-only, per output channel); default none",
+    )  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -206,6 +210,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
         speculative_config=args.speculative_config,
+        quantization=args.quantization,
     )
 
 

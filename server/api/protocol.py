@@ -672,4 +672,5 @@ class DetokenizeResponse(OpenAIBaseModel):
 class VersionResponse(OpenAIBaseModel):
     version: str
     backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"
+    quantization: str | None = None  # the weights' quantization mode ("int8"), None for none
     architectures: list[str] = []  # the model architectures this server can load (server/models/registry.py)

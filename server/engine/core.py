@@ -82,7 +82,7 @@ class EngineCore:
         self.backend = select_backend(self.device, self.dtype, config.attention_backend, self.kv_cache_dtype)
         config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
         self.model, self.hf_config = load_model(
-            self.model_path, self.dtype, self.device, backend=self.backend
+            self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         num_kv_heads, head_dim = _kv_shape(self.hf_config)

@@ -2,13 +2,16 @@
 
 A ``Linear`` may merge several checkpoint projections along its output dimension (q/k/v into one
 ``qkv_proj``, gate/up into one ``gate_up_proj``), so each decoder layer runs a few big matmuls.
-Parameters are allocated uninitialised on the target device; the loader fills them.
+Parameters are allocated uninitialised on the target device; the loader fills them. How a ``Linear``
+holds and multiplies its weight is its ``method`` (server/layers/quantization/): the model dtype
+(``UnquantizedLinearMethod``), or a quantized format the loader switches it to before loading.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pagedserve.server.layers.quantization.base import LinearMethod
 from torch import nn
 
 # oneDNN's fp32 matmul is faster than the MKL sgemm behind F.linear at decode batch sizes on an AVX2 AMD
@@ -39,12 +42,35 @@ def copy_weight(
     target.copy_(tensor)
 
 
+class UnquantizedLinearMethod(LinearMethod):
+    """The weight in the model dtype, multiplied by ``linear`` (oneDNN for float32 on the CPU)."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        layer.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def load_weight(
+        self, layer: nn.Module, tensor: torch.Tensor, offset: int = 0, size: int | None = None
+    ) -> None:
+        copy_weight(layer, "weight", tensor, offset, size)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, layer.weight, bias)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` ``[sum(output_sizes), in_features]``.
 
     ``output_sizes`` lists the checkpoint projections merged into this one, in order; ``load(name,
     tensor, shard)`` copies checkpoint projection ``shard`` into its rows; ``shard=None`` loads the whole
     merged matrix at once (checkpoints that ship it fused, as Phi-3's ``qkv_proj`` and ``gate_up_proj``).
+    The weight's format and the matmul are ``self.method``'s; the bias stays in the model dtype.
     """
 
     def __init__(
@@ -59,37 +85,58 @@ class Linear(nn.Module):
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         out_features = sum(self.output_sizes)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
-        )
+        self.dtype, self.device = dtype, torch.device(device)
+        self.set_method(UnquantizedLinearMethod())
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
             if bias
             else None
         )
 
+    def set_method(self, method: LinearMethod) -> None:
+        """Hold the weight in ``method``'s format (before loading: the weight is created anew, empty)."""
+        self.method = method
+        method.create_weights(self, self.in_features, self.out_features, self.dtype, self.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        """Copy checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place."""
-        if shard is None:
-            copy_weight(self, name, tensor)
-            return
-        copy_weight(self, name, tensor, sum(self.output_sizes[:shard]), self.output_sizes[shard])
+        """Load checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place."""
+        offset = 0 if shard is None else sum(self.output_sizes[:shard])
+        size = None if shard is None else self.output_sizes[shard]
+        if name == "weight":
+            self.method.load_weight(self, tensor, offset, size)
+        else:
+            copy_weight(self, name, tensor, offset, size)
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding ``[vocab_size, hidden_size]``; the LM head shares it when embeddings are tied."""
+    """Token embedding ``[vocab_size, hidden_size]``; the LM head shares it when embeddings are tied.
+
+    Its weight is a ``hidden -> vocab`` projection's, so it takes a ``LinearMethod`` as ``Linear`` does
+    (the loader quantizes it when it is the tied head: each row is an output channel of the head);
+    ``as_head(hidden)`` is that projection and ``forward(ids)`` looks rows up through the method.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.set_method(UnquantizedLinearMethod())
+
+    def set_method(self, method: LinearMethod) -> None:
+        self.method = method
+        method.create_weights(self, self.hidden_size, self.vocab_size, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self.method.embedding(self, input_ids)
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ weight.T``: the tied LM head's logits, in the model dtype."""
+        return self.method.apply(self, hidden, None)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        copy_weight(self, name, tensor)
+        if name != "weight":
+            raise ValueError(f"VocabEmbedding has no {name!r} parameter")
+        self.method.load_weight(self, tensor)

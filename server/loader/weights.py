@@ -49,19 +49,24 @@ def load_model(
     *,
     backend: Backend,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build the model for the folder's config on ``device``, running ``backend``'s kernels
     (server/backend.py), and load its weights: ``(model, hf_config)``.
 
-    ``load_format="dummy"`` skips the checkpoint and fills the weights with small random values (for
+    ``quantization`` (server/layers/quantization/, e.g. "int8") switches the projections to that weight
+    format before loading, so each checkpoint tensor is quantized as it is read (no fp32 copy of the
+    model). ``load_format="dummy"`` skips the checkpoint and fills the weights with small random values (for
     benchmarks of large shapes from a config.json alone). The model is in eval mode; call it under
     ``torch.inference_mode()``.
     """
+    from pagedserve.server.layers.quantization import quantize_linears
     from pagedserve.server.models.registry import build_model
 
     device = torch.device(device)
     hf_config = load_config(path)
     model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
+    quantize_linears(model, quantization, backend.kernels)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif load_format == "auto":
@@ -109,10 +114,18 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.02) -> None:
-    """Fill every matrix with ``N(0, scale)``, on its own device; vectors (norms, biases) stay 1 / 0."""
+    """Fill every matrix with ``N(0, scale)``, on its own device; vectors (norms, biases) stay 1 / 0.
+    A quantized projection gets its ``N(0, scale)`` matrix through its method, quantized."""
+    from pagedserve.server.layers.linear import Linear
+
     generators: dict[torch.device, torch.Generator] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and not module.weight.is_floating_point():
+            generator = torch.Generator(device=module.device).manual_seed(seed)
+            fp_weight = torch.empty(module.weight.shape, device=module.device)
+            module.load("weight", fp_weight.normal_(0.0, scale, generator=generator))
     for param in model.parameters():
-        if param.dim() >= 2:
+        if param.dim() >= 2 and param.is_floating_point():
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
             param.data.normal_(0.0, scale, generator=generators[param.device])

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 from pagedserve.server.backend import Backend
 from pagedserve.server.layers.attention import Attention, AttentionMetadata
-from pagedserve.server.layers.linear import Linear, linear
+from pagedserve.server.layers.linear import Linear
 from pagedserve.server.layers.rotary import rope_parameters
 from pagedserve.server.models.decoder import DecoderModel, GatedMLP
 from pagedserve.server.models.spec import DecoderSpec, llama_spec_fields
@@ -137,8 +137,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        head = self.model.embed_tokens.as_head if self.lm_head is None else self.lm_head
+        logits = head(hidden).float()
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
         cap = self.spec.final_logit_softcap

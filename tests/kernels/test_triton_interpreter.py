@@ -1,4 +1,5 @@
-"""Runs the interpreter cases (test_triton_kernels.py) in a child pytest with ``TRITON_INTERPRET=1``."""
+"""Runs the interpreter cases (test_triton_kernels.py, test_w8a16_triton.py) in a child pytest with
+``TRITON_INTERPRET=1``."""
 
 import os
 import subprocess
@@ -9,13 +10,14 @@ import pytest
 from pagedserve.kernels._triton_utils import interpreter_active
 
 CASES = Path(__file__).with_name("test_triton_kernels.py")
+W8A16_CASES = Path(__file__).with_name("test_w8a16_triton.py")
 
 
 @pytest.mark.skipif(interpreter_active(), reason="this process interprets Triton: the cases ran directly")
 def test_triton_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES), str(W8A16_CASES)],
         cwd=CASES.parents[2],
         env=env,
         capture_output=True,

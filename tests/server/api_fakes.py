@@ -85,6 +85,7 @@ class ScriptedCore:
             num_gpu_blocks_override=None,
             block_size=16,
             attention_backend="scripted",  # what /version reports: no kernels run here
+            quantization=None,
         )
         self.model_path = ""
         self.vocab_size = len(FakeTokenizer())

@@ -1,0 +1,44 @@
+"""Weight quantization, chosen once at load by name (vLLM's ``quantization`` config key / ``-q`` flag).
+
+``quantize_linears(model, name, kernels)`` gives every ``Linear`` of a freshly built model (before its
+weights are loaded) the method's weight format; the loader (server/loader/weights.py) calls it, and the
+layers then quantize each checkpoint tensor as it arrives. The LM head is quantized too, tied or not:
+vLLM leaves it in the model dtype, but on a CPU the small models' head is a large share of the bytes a
+decode step reads (the embedded model's tied head: 113 of 219 MB a token with int8 projections), and
+the perplexity test (tests/models/test_quantization.py) holds with it quantized. A tied embedding is
+quantized because it is the head; an untied one is only looked up, and stays.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from pagedserve.server.layers.quantization.base import LinearMethod
+from pagedserve.server.layers.quantization.int8 import Int8LinearMethod
+from torch import nn
+
+QUANTIZATION_METHODS = ("int8",)
+
+
+def get_linear_method(name: str, kernels: ModuleType) -> LinearMethod:
+    """The method for mode ``name``, running the backend's kernels; ``ValueError`` for an unknown one."""
+    if name == "int8":
+        return Int8LinearMethod(kernels.w8a16_matmul)
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got {name!r}")
+
+
+def quantize_linears(model: nn.Module, name: str | None, kernels: ModuleType) -> None:
+    """Switch every ``Linear`` of ``model``, and its embedding where it is the tied LM head, to mode
+    ``name`` (None: leave them)."""
+    from pagedserve.server.layers.linear import Linear, VocabEmbedding
+
+    if name is None:
+        return
+    method = get_linear_method(name, kernels)
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    for module in model.modules():
+        if isinstance(module, Linear) or (tied and isinstance(module, VocabEmbedding)):
+            module.set_method(method)
+
+
+__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "get_linear_method", "quantize_linears"]

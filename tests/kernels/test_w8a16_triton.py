@@ -1,0 +1,38 @@
+"""The Triton w8a16 matmul (kernels/w8a16_matmul.py) against its torch reference, in Triton's CPU
+interpreter (test_triton_interpreter.py runs this file in a child with ``TRITON_INTERPRET=1``; in any
+other process it is skipped here: tests/gpu/test_w8a16_gpu.py covers real CUDA).
+
+Acceptance: max abs error <= 1e-3 of the output's magnitude in fp32, 2e-2 in fp16 (bf16 only on a GPU:
+the interpreter computes bf16 ``tl.dot`` wrongly). Shapes are small: the interpreter is slow.
+"""
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+from pagedserve.kernels import reference
+from pagedserve.kernels._triton_utils import interpreter_active
+from pagedserve.server.layers.quantization.int8 import quantize_per_channel
+
+pytestmark = pytest.mark.skipif(not interpreter_active(), reason="run by test_triton_interpreter.py")
+
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+# rows: one, a partial tile, more than one BLOCK_M tile; n, k: tails of BLOCK_N / BLOCK_K and whole tiles.
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 70, 96), (5, 64, 64), (70, 30, 130)])
+def test_w8a16_matmul_matches_reference(m, n, k, bias, dtype):
+    from pagedserve.kernels.w8a16_matmul import w8a16_matmul
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight, scale = quantize_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    expected = reference.w8a16_matmul(x.float(), weight, scale, None if b is None else b.float())
+    actual = w8a16_matmul(x, weight, scale, b)
+    assert actual.shape == (m, n) and actual.dtype == dtype
+    error = (actual.float() - expected).abs().max().item()
+    assert error <= TOLERANCE[dtype] * max(1.0, expected.abs().max().item()), f"max abs error {error}"

@@ -1,0 +1,125 @@
+"""INT8 weight-only quantization of the embedded model (server/layers/quantization/int8.py): the loaded
+format, its quality against fp32 through ``LLM``, and the mode's validation.
+
+Quality, measured through ``prompt_logprobs`` on a fixed public-domain text (data/, the opening of Pride
+and Prejudice, 464 tokens): int8's perplexity is within 2% of fp32's (issue 18). Greedy agreement over
+PROMPTS is reported (``-s`` prints it); the floor asserted is well under what was measured (see
+GREEDY_AGREEMENT_FLOOR), so a broken kernel or scale fails it and quantization noise does not.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from pagedserve.server.backend import select_backend
+from pagedserve.server.config import EngineConfig
+from pagedserve.server.layers.linear import Linear
+from pagedserve.server.layers.quantization.int8 import quantize_per_channel
+from pagedserve.server.loader import load_model
+from safetensors import safe_open
+
+from pagedserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXT = Path(__file__).with_name("data") / "pride_and_prejudice_ch1.txt"
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three uses of copper:",
+    "Once upon a time, in a small village,",
+    "The main difference between a virus and a bacterium is",
+    "Translate to French: Good morning, how are you?",
+    "Photosynthesis is the process by which",
+]
+GREEDY_TOKENS = 32
+# Share of greedy tokens equal to fp32's up to each prompt's first difference. Measured 0.66 here (4 of
+# the 8 prompts identical over 32 tokens, the others part after 4, 5, 13 and 19 at a near-tie; the
+# first token always equal). A wrong scale or kernel parts at the first token of most prompts (share ~0).
+GREEDY_AGREEMENT_FLOOR = 0.3
+ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_path: str) -> dict[str, LLM]:
+    return {
+        "fp32": LLM(default_model_path, **ENGINE),
+        "int8": LLM(default_model_path, quantization="int8", **ENGINE),
+    }
+
+
+def perplexity(llm: LLM, ids: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    (output,) = llm.generate([{"prompt_token_ids": ids}], params)
+    logprobs = output.prompt_logprobs
+    assert logprobs is not None and len(logprobs) == len(ids)
+    nll = [-entry[token].logprob for token, entry in zip(ids[1:], logprobs[1:], strict=True) if entry]
+    assert len(nll) == len(ids) - 1
+    return math.exp(sum(nll) / len(nll))
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+
+
+def test_int8_perplexity_within_2_percent_of_fp32(engines: dict[str, LLM]) -> None:
+    ids = engines["fp32"].get_tokenizer().encode(TEXT.read_text())
+    assert len(ids) > 400
+    fp32, int8 = perplexity(engines["fp32"], ids), perplexity(engines["int8"], ids)
+    print(f"perplexity on {TEXT.name} ({len(ids)} tokens): fp32 {fp32:.3f}, int8 {int8:.3f} "
+          f"({(int8 / fp32 - 1) * 100:+.2f}%)")
+    assert abs(int8 / fp32 - 1) <= 0.02
+
+
+def test_int8_greedy_agreement_with_fp32(engines: dict[str, LLM]) -> None:
+    fp32, int8 = greedy(engines["fp32"]), greedy(engines["int8"])
+    common = []
+    for a, b in zip(fp32, int8, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), GREEDY_TOKENS)
+        common.append(same)
+    agreement = sum(common) / (GREEDY_TOKENS * len(PROMPTS))
+    first_token = sum(n > 0 for n in common) / len(PROMPTS)
+    print(f"greedy agreement int8 vs fp32: {agreement:.2f} of tokens before the first difference "
+          f"(per prompt: {common}), first token equal in {first_token:.0%} of prompts")
+    assert agreement >= GREEDY_AGREEMENT_FLOOR and first_token >= 0.75
+
+
+def test_int8_weights_are_each_shard_quantized_alone(default_model_path: str) -> None:
+    """Every projection and the tied embedding (the head) hold int8 and a per-channel scale, with no
+    float copy; stacked shards (q/k/v) are quantized one by one from the checkpoint tensors."""
+    backend = select_backend(torch.device("cpu"), torch.float32)
+    model, config = load_model(default_model_path, "float32", "cpu", backend=backend, quantization="int8")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.dtype == torch.int8 for m in linears)
+    assert config.tie_word_embeddings and model.model.embed_tokens.weight.dtype == torch.int8
+    assert not [name for name, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point()]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    with safe_open(str(Path(default_model_path) / "model.safetensors"), "pt") as f:
+        k_proj = f.get_tensor("model.layers.0.self_attn.k_proj.weight")
+    q_size = qkv.output_sizes[0]
+    expected_q, expected_scale = quantize_per_channel(k_proj)
+    rows = slice(q_size, q_size + k_proj.shape[0])
+    assert torch.equal(qkv.weight[rows], expected_q)
+    assert torch.equal(qkv.weight_scale[rows], expected_scale)
+
+
+def test_unknown_quantization_lists_the_known_modes() -> None:
+    with pytest.raises(ValueError, match="int8"):
+        EngineConfig(quantization="gptq")
+    assert EngineConfig(quantization="INT8").quantization == "int8"
+
+
+def test_int8_dummy_weights_are_quantized_random_matrices(default_model_path: str) -> None:
+    """``load_format="dummy"`` (benchmarks of shapes without a checkpoint) fills int8 projections through
+    their method: N(0, 0.02) quantized, so each channel's scale is about its max / 127."""
+    backend = select_backend(torch.device("cpu"), torch.float32)
+    model, _ = load_model(default_model_path, "float32", "cpu", backend=backend, load_format="dummy",
+                          quantization="int8")
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == torch.int8 and int(o_proj.weight.abs().max()) == 127
+    assert 0.02 * 2 / 127 < float(o_proj.weight_scale.mean()) < 0.02 * 6 / 127
