@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -137,6 +137,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             version=__version__,
             backend=engine.config.attention_backend,
             quantization=engine.config.quantization,
+            kv_cache_dtype=engine.config.kv_cache_dtype,
+            speculative_config=asdict(spec) if (spec := engine.config.speculative_config) else None,
             architectures=supported_architectures(),
         )
 

@@ -167,3 +167,4 @@ def test_server_with_fp8_cache_answers_and_says_so(fp8_server: ServerProcess):
     metrics = httpx.get(f"{fp8_server.url}/metrics", timeout=10).text
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'cache_dtype="fp8"' in info
+    assert httpx.get(f"{fp8_server.url}/version", timeout=10).json()["kv_cache_dtype"] == "fp8"

@@ -86,6 +86,8 @@ class ScriptedCore:
             block_size=16,
             attention_backend="scripted",  # what /version reports: no kernels run here
             quantization=None,
+            kv_cache_dtype="auto",
+            speculative_config=None,
         )
         self.model_path = ""
         self.vocab_size = len(FakeTokenizer())

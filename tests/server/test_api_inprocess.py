@@ -104,6 +104,8 @@ async def test_models_health_version(client: httpx.AsyncClient) -> None:
     assert (await client.get("/health")).status_code == 200
     version = (await client.get("/version")).json()
     assert version["version"]
+    modes = (version["quantization"], version["kv_cache_dtype"], version["speculative_config"])
+    assert modes == (None, "auto", None)
     assert {"LlamaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"} <= set(version["architectures"])
 
 

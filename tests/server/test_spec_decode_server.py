@@ -64,6 +64,11 @@ def test_greedy_completions_match_the_engine_without_speculation(
         assert len(whole.choices[0].logprobs.tokens or []) == num_tokens
 
 
+def test_version_shows_the_speculative_config(server: ServerProcess) -> None:
+    spec = httpx.get(f"{server.url}/version", timeout=10).json()["speculative_config"]
+    assert {k: spec[k] for k in NGRAM} == NGRAM
+
+
 def test_spec_decode_metrics(server: ServerProcess) -> None:
     drafts = metric_samples(server, "vllm:spec_decode_num_drafts_total")
     draft_tokens = metric_samples(server, "vllm:spec_decode_num_draft_tokens_total")
