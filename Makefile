@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: `make setup` without CUDA and the images `make images` builds here.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup tools serve test lint format clean manifests images image-tools image-test
+.PHONY: setup tools serve test e2e lint format clean manifests images image-tools image-test
 
 setup: $(VENV)/.installed
 
@@ -50,7 +50,12 @@ image-test: setup image-tools
 
 test: setup tools
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q tests
+
+# End to end on this machine (e2e/): the operator's rendered pods as local processes, scale from zero
+# and back; a few minutes of real engine starts, kept out of `make test` so that stays near 10 minutes.
+e2e: setup tools
+	$(BIN)/pytest -q e2e
 
 lint:
 	$(BIN)/ruff check .
