@@ -336,3 +336,39 @@ def w8a16_matmul(
     """
     out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
+
+
+# ---- LoRA: many adapters in one batch (Punica / S-LoRA's shrink and expand) ---------------------------
+#
+# A layer's resident adapters sit in slots ``0 .. S-1`` of two stacked tensors; ``token_slots[t]`` is the
+# slot of token ``t``'s adapter, ``-1`` for a base-model token. A projection that merges several
+# checkpoint projections (q/k/v, gate/up) keeps one A and one B per slice and stacks them block-diagonally,
+# so one shrink and one expand serve the whole merged matrix: slice ``i``'s A is rows ``i*r .. (i+1)*r``
+# of ``lora_a``; its B fills output rows ``offset_i .. offset_i + size_i`` and columns ``i*r .. (i+1)*r``
+# of ``lora_b``, zeros elsewhere. Smaller ranks and untargeted slices are zero padding, and PEFT's
+# ``alpha / r`` is folded into B at load, so the kernels take no scaling.
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """``buf[t] = x[t] @ lora_a[token_slots[t]].T``, zeros where the slot is -1.
+
+    ``x`` ``[T, in]``, ``lora_a`` ``[S, R, in]``, ``token_slots`` int ``[T]`` -> ``[T, R]`` float32
+    (the rank-sized intermediate is kept in float32 whatever ``x``'s dtype, as vLLM's punica does).
+    """
+    has_lora = token_slots >= 0
+    a = lora_a[token_slots.clamp(min=0).long()].float()  # [T, R, in]
+    buf = torch.bmm(a, x.float().unsqueeze(-1)).squeeze(-1)
+    return buf * has_lora.unsqueeze(-1)
+
+
+def lora_expand(
+    y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """``y[t] += buf[t] @ lora_b[token_slots[t]].T`` in place, rows whose slot is -1 unchanged; returns ``y``.
+
+    ``y`` ``[T, out]``, ``buf`` ``[T, R]`` (``lora_shrink``'s), ``lora_b`` ``[S, out, R]``.
+    """
+    has_lora = token_slots >= 0
+    b = lora_b[token_slots.clamp(min=0).long()].float()  # [T, out, R]
+    delta = torch.bmm(b, buf.float().unsqueeze(-1)).squeeze(-1) * has_lora.unsqueeze(-1)
+    return y.add_(delta.to(y.dtype))
