@@ -19,11 +19,14 @@ KERNELS = (
     "silu_and_mul",
     "fused_moe",
     "w8a16_matmul",
+    "lora_shrink",
+    "lora_expand",
 )
 
 try:
     from .apply_rotary import apply_rotary
     from .fused_moe import fused_moe
+    from .lora import lora_expand, lora_shrink
     from .paged_attention_decode import paged_attention_decode
     from .paged_attention_prefill import paged_attention_prefill
     from .rms_norm import fused_add_rms_norm, rms_norm
@@ -48,6 +51,8 @@ __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
     "fused_moe",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reference",

@@ -26,13 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from .reference import paged_attention_prefill, store_kv_cache
+from .reference import lora_expand, lora_shrink, paged_attention_prefill, store_kv_cache
 
 __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
     "fused_moe",
     "load_extension",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
