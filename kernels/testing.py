@@ -1,5 +1,5 @@
-"""Random scenarios shared by the kernel tests (CPU interpreter and GPU) and benchmarks: paged KV caches, and
-mixture-of-experts routing."""
+"""Random scenarios shared by the kernel tests (CPU interpreter and GPU) and benchmarks: paged KV caches,
+mixture-of-experts routing and batched LoRA adapters."""
 
 from __future__ import annotations
 
@@ -165,3 +165,38 @@ def fp8_paged_case(
         cu_seqlens_q=case.cu_seqlens_q,
     )
     return fp8, scales[0], scales[1]
+
+
+@dataclass
+class LoRACase:
+    x: torch.Tensor  # [T, in]
+    lora_a: torch.Tensor  # [S, R, in]
+    lora_b: torch.Tensor  # [S, out, R]
+    y: torch.Tensor  # [T, out]: the base projection's output that lora_expand adds into
+    token_slots: torch.Tensor  # int64 [T], -1 for a base-model token
+
+
+def make_lora_case(
+    token_slots: list[int],
+    num_slots: int,
+    rank: int,
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoRACase:
+    """Random adapters for ``lora_shrink`` / ``lora_expand`` with the given slot per token; weights scaled
+    to keep the shrink and the delta O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+    return LoRACase(
+        x=rand(len(token_slots), in_features),
+        lora_a=rand(num_slots, rank, in_features, scale=in_features**-0.5),
+        lora_b=rand(num_slots, out_features, rank, scale=rank**-0.5),
+        y=rand(len(token_slots), out_features),
+        token_slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
+    )
