@@ -6,7 +6,8 @@ from a float32 or an FP8 (e4m3) cache. The
 norms, SiLU-and-mul and rotary embedding (``kernels/csrc/elementwise_cpu.cpp``) are one pass each instead of
 five to ten ATen ops, which at decode batch sizes cost more than their arithmetic. Prefill attention and
 the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are already good). The
-mixture-of-experts MLP is a grouped torch path (``fused_moe`` below), not the reference's loop.
+mixture-of-experts MLP is a grouped torch path (``fused_moe`` below), not the reference's loop, and so
+is batched LoRA (``lora_shrink`` / ``lora_expand``): one matmul per adapter slot, not a weight copy per token.
 
 The C++ is compiled on first use with torch's JIT extension builder (a C++ compiler and ninja are
 needed; the build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).
@@ -19,14 +20,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pagedserve.server.layers.linear import linear
 
 from . import reference
-from .reference import lora_expand, lora_shrink, paged_attention_prefill, store_kv_cache
+from .reference import paged_attention_prefill, store_kv_cache
 
 __all__ = [
     "apply_rotary",
@@ -194,3 +197,64 @@ def w8a16_matmul(
     else:
         out = ops.w8a16_matmul(x2, weight, scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass
+class _SlotRuns:
+    """A batch's tokens by LoRA slot, read on the host once per call."""
+
+    counts: list[int]  # tokens per slot, slot -1 first: counts[s + 1] is slot s's
+    # int64 indices of the adapter tokens sorted by slot; None when one slot (or -1) has every token
+    lora_tokens: torch.Tensor | None
+
+    def present(self) -> list[tuple[int, int, int]]:
+        """``(slot, start, count)`` of each slot with tokens; ``start`` indexes ``lora_tokens``."""
+        runs, start = [], 0
+        for slot, count in enumerate(self.counts[1:]):
+            if count:
+                runs.append((slot, start, count))
+            start += count
+        return runs
+
+
+def _slot_runs(token_slots: torch.Tensor, num_slots: int) -> _SlotRuns:
+    slots = token_slots.long()
+    counts = torch.bincount(slots + 1, minlength=num_slots + 1).tolist()
+    if max(counts) == slots.numel():  # every token in one slot (or every one a base token): no gather
+        return _SlotRuns(counts, None)
+    order = torch.argsort(slots, stable=True)  # slot -1 first, then each slot's tokens in order
+    return _SlotRuns(counts, order[counts[0]:])
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.lora_shrink``, grouped by slot: the adapter tokens are sorted by slot
+    once, each slot present runs one ``linear`` on its contiguous run of rows, and the results are
+    scattered back once. The reference gathers a ``[T, R, in]`` copy of the weights instead, which at
+    prefill sizes costs far more than the product (benchmarks/lora_ops.py). Computed in float32, as the
+    reference is."""
+    runs = _slot_runs(token_slots, lora_a.shape[0])
+    buf = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    if runs.lora_tokens is None:
+        slot = runs.counts.index(x.shape[0]) - 1
+        return buf if slot < 0 else linear(x.float(), lora_a[slot].float())
+    rows = x.index_select(0, runs.lora_tokens).float()
+    out = torch.empty((rows.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    for slot, start, count in runs.present():
+        out[start:start + count] = linear(rows[start:start + count], lora_a[slot].float())
+    return buf.index_copy_(0, runs.lora_tokens, out)
+
+
+def lora_expand(
+    y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as ``reference.lora_expand``, grouped by slot as ``lora_shrink`` is; each delta is
+    rounded to ``y``'s dtype before it is added, as in the reference, and base-model rows are not written."""
+    runs = _slot_runs(token_slots, lora_b.shape[0])
+    if runs.lora_tokens is None:
+        slot = runs.counts.index(y.shape[0]) - 1
+        return y if slot < 0 else y.add_(linear(buf.float(), lora_b[slot].float()).to(y.dtype))
+    rows = buf.index_select(0, runs.lora_tokens).float()
+    delta = torch.empty((rows.shape[0], lora_b.shape[1]), dtype=torch.float32, device=y.device)
+    for slot, start, count in runs.present():
+        delta[start:start + count] = linear(rows[start:start + count], lora_b[slot].float())
+    return y.index_add_(0, runs.lora_tokens, delta.to(y.dtype))
