@@ -16,6 +16,7 @@ import pytest
 import torch
 from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.testing import make_lora_case
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:  # Triton ships with torch on Linux x86-64 only; the CPU backend's cases run everywhere
     from pagedserve.kernels._triton_utils import interpreter_active
@@ -102,6 +103,38 @@ def test_cpu_expand_matches_reference(num_tokens, num_slots, rank, pattern, dtyp
 @pytest.mark.parametrize("pattern", ["mixed", "one_slot"])
 def test_cpu_expand_into_a_column_slice(pattern):
     check_expand(cpu.lora_expand, 37, 3, 16, pattern, torch.float32, y_offset=7)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every ATen op that runs inside it, and the element count of each op's tensor outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = out if isinstance(out, tuple | list) else (out,)
+        numel = max((t.numel() for t in outputs if isinstance(t, torch.Tensor)), default=0)
+        self.ops.append((func.overloadpacket.__name__, numel))
+        return out
+
+
+@pytest.mark.parametrize("pattern", ["mixed", "one_slot"])
+def test_cpu_path_copies_no_weights_per_token(pattern):
+    """The point of the CPU path: no ``[T, R, in]`` / ``[T, out, R]`` weight gather as in the reference
+    (no op output anywhere near that size), and none of the token gathers or scatters either when one
+    slot has every token."""
+    num_tokens, rank, in_features, out_features = 37, 16, 96, 80
+    case = make_lora_case(slot_pattern(pattern, num_tokens, 3), 3, rank, in_features, out_features)
+    with OpRecorder() as recorder:
+        buf = cpu.lora_shrink(case.x, case.lora_a, case.token_slots)
+        cpu.lora_expand(case.y, buf, case.lora_b, case.token_slots)
+    largest = max(numel for _, numel in recorder.ops)
+    assert largest <= num_tokens * max(in_features, out_features), recorder.ops
+    gathers = {"index_select", "index", "index_copy_", "index_add_", "gather", "scatter"}
+    names = {name for name, _ in recorder.ops}
+    assert bool(names & gathers) == (pattern == "mixed"), names
 
 
 def test_cpu_no_tokens():
