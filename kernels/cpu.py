@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pagedserve.server.layers.linear import linear
 
 from . import reference
 from .reference import paged_attention_prefill, store_kv_cache
@@ -201,47 +200,51 @@ def w8a16_matmul(
 
 @dataclass
 class _SlotRuns:
-    """A batch's tokens by LoRA slot, read on the host once per call."""
+    """A batch's tokens grouped by LoRA slot: which slots have tokens, read on the host once per call."""
 
-    counts: list[int]  # tokens per slot, slot -1 first: counts[s + 1] is slot s's
-    # int64 indices of the adapter tokens sorted by slot; None when one slot (or -1) has every token
+    runs: list[tuple[int, int, int]]  # (slot, start, count) per slot with tokens; start indexes lora_tokens
+    # int64 indices of the adapter tokens sorted by slot; None when every token has the one slot of runs
+    # (or, runs empty, every token is a base-model token)
     lora_tokens: torch.Tensor | None
 
-    def present(self) -> list[tuple[int, int, int]]:
-        """``(slot, start, count)`` of each slot with tokens; ``start`` indexes ``lora_tokens``."""
-        runs, start = [], 0
-        for slot, count in enumerate(self.counts[1:]):
-            if count:
-                runs.append((slot, start, count))
+
+def _slot_runs(token_slots: torch.Tensor) -> _SlotRuns:
+    # The slots as a Python list: a decode batch's few ids cost under a microsecond to read and count,
+    # against 5-10 us for bincount or aminmax and their host reads (benchmarks/lora_ops.py's sizes).
+    slots = token_slots.tolist()
+    present = sorted(set(slots))
+    if len(present) <= 1:  # one slot has every token, or none has any: nothing to gather
+        slot = present[0] if present else -1
+        return _SlotRuns([] if slot < 0 else [(slot, 0, len(slots))], None)
+    runs, start = [], 0
+    for slot in present:
+        if slot >= 0:
+            count = slots.count(slot)
+            runs.append((slot, start, count))
             start += count
-        return runs
-
-
-def _slot_runs(token_slots: torch.Tensor, num_slots: int) -> _SlotRuns:
-    slots = token_slots.long()
-    counts = torch.bincount(slots + 1, minlength=num_slots + 1).tolist()
-    if max(counts) == slots.numel():  # every token in one slot (or every one a base token): no gather
-        return _SlotRuns(counts, None)
-    order = torch.argsort(slots, stable=True)  # slot -1 first, then each slot's tokens in order
-    return _SlotRuns(counts, order[counts[0]:])
+    order = torch.argsort(token_slots, stable=True)  # base-model tokens (-1) first, then slot by slot
+    return _SlotRuns(runs, order[len(slots) - start:])
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """Same contract as ``reference.lora_shrink``, grouped by slot: the adapter tokens are sorted by slot
-    once, each slot present runs one ``linear`` on its contiguous run of rows, and the results are
-    scattered back once. The reference gathers a ``[T, R, in]`` copy of the weights instead, which at
-    prefill sizes costs far more than the product (benchmarks/lora_ops.py). Computed in float32, as the
-    reference is."""
-    runs = _slot_runs(token_slots, lora_a.shape[0])
+    once, each slot present runs one ``F.linear`` on its contiguous run of rows, and the results are
+    scattered back once; a batch whose tokens all have one slot runs one ``F.linear`` on ``x`` itself.
+    The reference gathers a ``[T, R, in]`` copy of the weights instead, which at prefill sizes costs far
+    more than the product (benchmarks/lora_ops.py). Computed in float32, as the reference is.
+    ``F.linear`` (MKL) rather than server/layers/linear.py's oneDNN ``linear``: with weights it has not
+    prepared before, oneDNN spends about 15 us per call preparing them, 6x a rank-16 product."""
+    grouped = _slot_runs(token_slots)
+    if grouped.lora_tokens is None and grouped.runs:
+        return F.linear(x.float(), lora_a[grouped.runs[0][0]].float())
     buf = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    if runs.lora_tokens is None:
-        slot = runs.counts.index(x.shape[0]) - 1
-        return buf if slot < 0 else linear(x.float(), lora_a[slot].float())
-    rows = x.index_select(0, runs.lora_tokens).float()
+    if grouped.lora_tokens is None:
+        return buf
+    rows = x.index_select(0, grouped.lora_tokens).float()
     out = torch.empty((rows.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    for slot, start, count in runs.present():
-        out[start:start + count] = linear(rows[start:start + count], lora_a[slot].float())
-    return buf.index_copy_(0, runs.lora_tokens, out)
+    for slot, start, count in grouped.runs:
+        out[start:start + count] = F.linear(rows[start:start + count], lora_a[slot].float())
+    return buf.index_copy_(0, grouped.lora_tokens, out)
 
 
 def lora_expand(
@@ -249,12 +252,13 @@ def lora_expand(
 ) -> torch.Tensor:
     """Same contract as ``reference.lora_expand``, grouped by slot as ``lora_shrink`` is; each delta is
     rounded to ``y``'s dtype before it is added, as in the reference, and base-model rows are not written."""
-    runs = _slot_runs(token_slots, lora_b.shape[0])
-    if runs.lora_tokens is None:
-        slot = runs.counts.index(y.shape[0]) - 1
-        return y if slot < 0 else y.add_(linear(buf.float(), lora_b[slot].float()).to(y.dtype))
-    rows = buf.index_select(0, runs.lora_tokens).float()
+    grouped = _slot_runs(token_slots)
+    if grouped.lora_tokens is None:
+        if grouped.runs:
+            y.add_(F.linear(buf.float(), lora_b[grouped.runs[0][0]].float()).to(y.dtype))
+        return y
+    rows = buf.index_select(0, grouped.lora_tokens).float()
     delta = torch.empty((rows.shape[0], lora_b.shape[1]), dtype=torch.float32, device=y.device)
-    for slot, start, count in runs.present():
-        delta[start:start + count] = linear(rows[start:start + count], lora_b[slot].float())
-    return y.index_add_(0, runs.lora_tokens, delta.to(y.dtype))
+    for slot, start, count in grouped.runs:
+        delta[start:start + count] = F.linear(rows[start:start + count], lora_b[slot].float())
+    return y.index_add_(0, grouped.lora_tokens, delta.to(y.dtype))
