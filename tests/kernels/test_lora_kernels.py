@@ -81,23 +81,34 @@ def check_expand(expand, num_tokens, num_slots, rank, pattern, dtype, out_featur
     assert torch.equal(wide[:, outside], before[:, outside]), "columns outside y were written"
 
 
+CHECKS = {"shrink": check_shrink, "expand": check_expand}
+
+
+def on_the_grid(*dtypes: torch.dtype):
+    """The cases every implementation is checked on: shrink and expand, each token count, slot pattern,
+    (slots, rank) and the given dtypes."""
+    marks = [
+        pytest.mark.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes]),
+        pytest.mark.parametrize("pattern", PATTERNS),
+        pytest.mark.parametrize(("num_slots", "rank"), [(1, 8), (3, 16), (4, 48)]),
+        pytest.mark.parametrize("num_tokens", NUM_TOKENS),
+        pytest.mark.parametrize("op", list(CHECKS)),
+    ]
+
+    def apply(test):
+        for mark in marks:
+            test = mark(test)
+        return test
+
+    return apply
+
+
 # ---- CPU backend ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize(("num_slots", "rank"), [(1, 8), (3, 16), (4, 48)])
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-def test_cpu_shrink_matches_reference(num_tokens, num_slots, rank, pattern, dtype):
-    check_shrink(cpu.lora_shrink, num_tokens, num_slots, rank, pattern, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize(("num_slots", "rank"), [(1, 8), (3, 16), (4, 48)])
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-def test_cpu_expand_matches_reference(num_tokens, num_slots, rank, pattern, dtype):
-    check_expand(cpu.lora_expand, num_tokens, num_slots, rank, pattern, dtype)
+@on_the_grid(torch.float32, torch.bfloat16)
+def test_cpu_matches_reference(op, num_tokens, num_slots, rank, pattern, dtype):
+    CHECKS[op](getattr(cpu, f"lora_{op}"), num_tokens, num_slots, rank, pattern, dtype)
 
 
 @pytest.mark.parametrize("pattern", ["mixed", "one_slot"])
@@ -158,25 +169,11 @@ def test_group_by_slot_sorts_tokens_and_puts_base_tokens_last():
 
 
 @interpreter_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize(("num_slots", "rank"), [(1, 8), (3, 16), (4, 48)])
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-def test_triton_shrink_matches_reference(num_tokens, num_slots, rank, pattern, dtype):
+@on_the_grid(torch.float32, torch.float16)
+def test_triton_matches_reference(op, num_tokens, num_slots, rank, pattern, dtype):
     from pagedserve.kernels import lora
 
-    check_shrink(lora.lora_shrink, num_tokens, num_slots, rank, pattern, dtype)
-
-
-@interpreter_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize(("num_slots", "rank"), [(1, 8), (3, 16), (4, 48)])
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-def test_triton_expand_matches_reference(num_tokens, num_slots, rank, pattern, dtype):
-    from pagedserve.kernels import lora
-
-    check_expand(lora.lora_expand, num_tokens, num_slots, rank, pattern, dtype)
+    CHECKS[op](getattr(lora, f"lora_{op}"), num_tokens, num_slots, rank, pattern, dtype)
 
 
 @interpreter_only
