@@ -46,8 +46,8 @@ class SlotGrouping:
 
 def group_by_slot(token_slots: torch.Tensor, num_slots: int) -> SlotGrouping:
     """Sort the tokens by slot on the device, without a host read (``scatter_add_`` rather than
-    ``bincount``, which synchronises on CUDA). A step's layers share one ``token_slots``, so a caller may
-    compute this once and pass it to every ``lora_shrink`` / ``lora_expand`` as ``grouping``."""
+    ``bincount``, which synchronises on CUDA). Once per call: the kernels keep the references' signature
+    (tests/kernels/test_triton_kernels.py checks it), so a step's layers cannot share one grouping."""
     slots = token_slots.to(torch.int64)
     keys = torch.where(slots < 0, num_slots, slots)  # base-model tokens last, in a group with no program
     order = torch.argsort(keys, stable=True)
@@ -195,27 +195,18 @@ def _expand(
     return y
 
 
-def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, grouping: SlotGrouping | None = None
-) -> torch.Tensor:
-    """Same contract as ``reference.lora_shrink``; ``grouping``: ``group_by_slot(token_slots, S)`` if
-    the caller already has it."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.lora_shrink``."""
     num_tokens, (num_slots, rank, in_features) = x.shape[0], lora_a.shape
-    grouping = grouping if grouping is not None else group_by_slot(token_slots, num_slots)
     block_m = choose_block_m(num_tokens, num_slots)
     split_k = choose_split_k(num_tokens, rank, in_features, block_m, x.device)
-    return _shrink(x, lora_a, grouping, block_m, split_k)
+    return _shrink(x, lora_a, group_by_slot(token_slots, num_slots), block_m, split_k)
 
 
 def lora_expand(
-    y: torch.Tensor,
-    buf: torch.Tensor,
-    lora_b: torch.Tensor,
-    token_slots: torch.Tensor,
-    grouping: SlotGrouping | None = None,
+    y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
 ) -> torch.Tensor:
-    """Same contract as ``reference.lora_expand`` (``y`` updated in place and returned); ``grouping`` as
-    for ``lora_shrink``."""
+    """Same contract as ``reference.lora_expand`` (``y`` updated in place and returned)."""
     num_slots = lora_b.shape[0]
-    grouping = grouping if grouping is not None else group_by_slot(token_slots, num_slots)
+    grouping = group_by_slot(token_slots, num_slots)
     return _expand(y, buf, lora_b, grouping, choose_block_m(y.shape[0], num_slots))

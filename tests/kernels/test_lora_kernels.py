@@ -203,25 +203,6 @@ def test_triton_expand_tiles_and_a_column_slice(block_m):
 
 
 @interpreter_only
-def test_triton_precomputed_grouping_is_used():
-    """A grouping passed in is the one the kernels follow (the caller shares one per step)."""
-    from pagedserve.kernels import lora
-
-    slots = [2, -1, 0, 0, 1]
-    case = make_lora_case(slots, 3, 16, 64, 48)
-    other = torch.tensor([(s + 1) % 3 if s >= 0 else -1 for s in slots])
-    grouping = lora.group_by_slot(other, 3)
-    torch.testing.assert_close(
-        lora.lora_shrink(case.x, case.lora_a, case.token_slots, grouping=grouping),
-        reference.lora_shrink(case.x, case.lora_a, other),
-    )
-    buf = reference.lora_shrink(case.x, case.lora_a, other)
-    expected = reference.lora_expand(case.y.clone(), buf, case.lora_b, other)
-    actual = lora.lora_expand(case.y, buf, case.lora_b, case.token_slots, grouping=grouping)
-    torch.testing.assert_close(actual, expected)
-
-
-@interpreter_only
 def test_triton_no_tokens():
     from pagedserve.kernels import lora
 
