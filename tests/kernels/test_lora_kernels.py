@@ -48,18 +48,18 @@ def slot_pattern(name: str, num_tokens: int, num_slots: int) -> list[int]:
     }[name]()
 
 
-def check_shrink(shrink, num_tokens, num_slots, rank, pattern, dtype, in_features=96, **kwargs):
+def check_shrink(shrink, num_tokens, num_slots, rank, pattern, dtype, in_features=96):
     slots = slot_pattern(pattern, num_tokens, num_slots)
     case = make_lora_case(slots, num_slots, rank, in_features, 40, dtype=dtype, seed=num_tokens + rank)
     expected = reference.lora_shrink(case.x, case.lora_a, case.token_slots)
-    actual = shrink(case.x, case.lora_a, case.token_slots, **kwargs)
+    actual = shrink(case.x, case.lora_a, case.token_slots)
     assert actual.shape == (num_tokens, rank) and actual.dtype == torch.float32
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
     assert not actual[case.token_slots < 0].any(), "a base-model token's shrink row is not zero"
 
 
-def check_expand(expand, num_tokens, num_slots, rank, pattern, dtype, out_features=80, y_offset=0, **kwargs):
+def check_expand(expand, num_tokens, num_slots, rank, pattern, dtype, out_features=80, y_offset=0):
     """``y`` is a column slice of a wider tensor when ``y_offset`` > 0 (rows not contiguous)."""
     slots = slot_pattern(pattern, num_tokens, num_slots)
     case = make_lora_case(slots, num_slots, rank, 32, out_features, dtype=dtype, seed=num_tokens * rank)
@@ -70,7 +70,7 @@ def check_expand(expand, num_tokens, num_slots, rank, pattern, dtype, out_featur
     y.copy_(case.y)
     before = wide.clone()
     expected = reference.lora_expand(case.y.clone(), buf, case.lora_b, case.token_slots)
-    actual = expand(y, buf, case.lora_b, case.token_slots, **kwargs)
+    actual = expand(y, buf, case.lora_b, case.token_slots)
     assert actual is y, "lora_expand must return the y it was given, updated in place"
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(y, expected, atol=atol, rtol=rtol)
