@@ -10,7 +10,8 @@ decides its route (``route_for``), as in KubeAI and the vLLM production stack:
   loading it);
 - a base model name, no model, or a fleet whose lists the router does not know yet: every replica, as
   before (the engine decides);
-- a name no ready replica lists, with every ready replica's list known -> 404 ``model_not_found``.
+- a name no ready replica lists, with every ready replica's list known and adapters in the fleet -> 404
+  ``model_not_found`` (a fleet without adapters leaves model names to the engines, as before).
 
 Why 404 and not 503 for an adapter the ModelDeployment names but no replica has loaded yet: the router
 reads no ModelDeployment (no API access beyond its EndpointSlices), and the engine itself answers 404 for
@@ -101,6 +102,8 @@ def route_for(
     ready_models = [models for ready, models in replicas.values() if ready]
     if any(models is None for models in ready_models) or not ready_models:
         return Route(BASE)  # some list is unknown: the engine decides
+    if not any(models is not None and models.adapters for _, models in replicas.values()):
+        return Route(BASE)  # no LoRA in the fleet: model names are the engines' business, as before
     if any(model in models.bases for models in ready_models if models is not None):
         return Route(BASE)
     return Route(NOT_FOUND)

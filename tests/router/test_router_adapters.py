@@ -225,6 +225,7 @@ def test_route_for_rules():
     assert route_for("x", {"a": (True, a), "b": (True, b)}, "m").holders == {"a"}
     assert route_for("x", {"a": (False, a), "b": (True, b)}, "m").kind == NOT_LOADED
     assert route_for("y", {"a": (True, a), "b": (True, b)}, "m").kind == NOT_FOUND
+    assert route_for("y", {"b": (True, b)}, "m").kind == BASE  # no adapters anywhere: as before LoRA
     assert (
         route_for("y", {"a": (True, a), "b": (True, None)}, "m").kind == BASE
     )  # a list unknown: the engine decides
