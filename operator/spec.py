@@ -449,9 +449,10 @@ class ModelDeploymentSpec(CamelModel):
             " or unloads it on every ready engine replica, without a restart."
         ),
         json_schema_extra={
-            # Unique names: the API server merges and checks the list by name.
+            # Unique names: the API server merges and checks the list by name (the rule says so in words).
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["name"],
+            **cel("self.all(a, self.exists_one(b, b.name == a.name))", "spec.adapters[].name must be unique"),
         },
     )
 

@@ -16,6 +16,7 @@ from pagedserve.operator.resources import ADAPTERS_HASH_ANNOTATION, STARTUP_ADAP
 from pagedserve.operator.spec import format_validation_error, parse_spec
 
 from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.kube import manifest_errors
 from pagedserve.testing.net import free_port
 from pagedserve.testing.server_thread import ServerThread
 
@@ -107,6 +108,32 @@ def test_bad_adapters_are_refused(adapters: list[dict[str, str]], spec: dict[str
     with pytest.raises(ValueError) as refused:
         parse_spec({"model": "org/base", "adapters": adapters, **spec})
     assert message in format_validation_error(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("adapters", "spec", "message"),
+    [
+        ([{"name": "Sql", "url": "/a"}], {}, "spec.adapters[].name must be lower case"),
+        ([{"name": "sql", "url": "s3://bucket/a"}], {}, "spec.adapters[].url must be hf://"),
+        (
+            [{"name": "sql", "url": "/a"}, {"name": "sql", "url": "/b"}],
+            {},
+            "spec.adapters[].name must be unique",
+        ),
+        (
+            [{"name": "base", "url": "/a"}],
+            {"servedModelName": "base"},
+            "must differ from spec.servedModelName",
+        ),
+    ],
+)
+def test_the_api_server_refuses_bad_adapters(
+    adapters: list[dict[str, str]], spec: dict[str, Any], message: str
+):
+    """The generated CRD's own rules (CEL), evaluated as the API server would (pagedserve/testing/kube.py)."""
+    found = manifest_errors(modeldeployment(adapters, **spec))
+    assert found and all(message in error for error in found), found
+    assert manifest_errors(modeldeployment([{"name": "sql", "url": "hf://acme/sql"}])) == []
 
 
 def test_adapter_named_like_the_model_is_refused_at_render() -> None:

@@ -35,6 +35,14 @@ SPECS: dict[str, dict[str, Any]] = {
     "cpu-pvc-cache": md(resources={"gpus": 0}, modelCache={"size": "10Gi"}),
     "pvc-model": md(model="pvc://weights/llama", router={"replicas": 1}),
     "design-example": design_example(uid=UID),
+    "lora-adapters": md(
+        engine={"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8},
+        adapters=[
+            {"name": "sql", "url": "hf://acme/llama-sql-lora"},
+            {"name": "legal", "url": "pvc://lora-claim/legal/v2"},
+            {"name": "support", "url": "/opt/adapters/support"},
+        ],
+    ),
 }
 
 

@@ -49,6 +49,14 @@ SPECS: dict[str, dict[str, Any]] = {
         autoscaling={"minReplicas": 0, "maxReplicas": 4},
         scaleFromZero={"scaleDownDelaySeconds": 120, "maxHeldRequests": 50},
     ),
+    "lora-adapters": md(
+        engine={"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8},
+        adapters=[
+            {"name": "sql", "url": "hf://acme/llama-sql-lora"},
+            {"name": "legal", "url": "pvc://lora-claim/legal/v2"},
+            {"name": "support", "url": "/opt/adapters/support"},
+        ],
+    ),
     "extra-args": md(
         engine={
             "extraArgs": ["--enforce-eager", "--seed", "7"],
