@@ -46,6 +46,7 @@ class PodAdapters:
 @dataclass
 class AdapterSync:
     pods: list[PodAdapters] = field(default_factory=list)
+    list_error: str | None = None  # the pods could not be listed: nothing was asked
 
     @property
     def failed(self) -> list[str]:

@@ -196,6 +196,8 @@ async def reconcile(
         modeldeployment, children = pinned, render_children(pinned)
 
     result = Result(status={})
+    if adapters is not None and adapters.list_error:
+        result.errors.append(adapters.list_error)
     live: dict[str, dict[str, Any]] = {}
     for manifest in children:
         try:
@@ -249,7 +251,10 @@ async def reconcile_adapters(
     wanted = adapter_set_json(list(spec.adapters))
     sync = None
     if pinned is not None:
-        pods = await kube.list("v1", "pods", meta["namespace"], label_selector(meta["name"], "engine"))
+        try:
+            pods = await kube.list("v1", "pods", meta["namespace"], label_selector(meta["name"], "engine"))
+        except KubeError as error:  # reported in the status; the children are applied all the same
+            return modeldeployment, AdapterSync(list_error=f"listing the engine pods: {error}")
         desired = {adapter.name: adapter_path(adapter) for adapter in spec.adapters}
         sync = await sync_adapters(pods, port, desired)
         if not sync.failed:

@@ -47,6 +47,14 @@ ADAPTER_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$")
 MAX_ADAPTERS = 64
 
 
+def pvc_location(url: str) -> tuple[str, str] | None:
+    """(claim, path inside the claim) of a pvc://<claim>/<path> url (a model's or an adapter's), else None."""
+    match = PVC_MODEL_RE.match(url)
+    if not match:
+        return None
+    return match.group(1), (match.group(3) or "/").lstrip("/")
+
+
 def quantity(value: Any) -> str:
     """A Kubernetes quantity as a string: numbers become their canonical text (0.5 -> 500m)."""
     if isinstance(value, bool):
@@ -216,10 +224,7 @@ class Adapter(CamelModel):
     @property
     def pvc(self) -> tuple[str, str] | None:
         """(claim, path inside the claim) for pvc:// adapters."""
-        match = PVC_MODEL_RE.match(self.url)
-        if not match:
-            return None
-        return match.group(1), (match.group(3) or "/").lstrip("/")
+        return pvc_location(self.url)
 
 
 class RouterResources(CamelModel):
@@ -495,10 +500,7 @@ class ModelDeploymentSpec(CamelModel):
     @property
     def pvc_model(self) -> tuple[str, str] | None:
         """(claim, path inside the claim) for pvc:// models."""
-        match = PVC_MODEL_RE.match(self.model)
-        if not match:
-            return None
-        return match.group(1), (match.group(3) or "/").lstrip("/")
+        return pvc_location(self.model)
 
 
 def parse_spec(spec: dict[str, Any] | None) -> ModelDeploymentSpec:

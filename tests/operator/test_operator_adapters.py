@@ -283,3 +283,26 @@ async def test_operator_loads_and_unloads_adapters_on_ready_pods(tmp_path: Path,
 async def merge_patch(client: httpx.AsyncClient, path: str, patch: dict[str, Any]) -> None:
     response = await client.patch(path, json=patch, headers={"Content-Type": "application/merge-patch+json"})
     response.raise_for_status()
+
+
+@pytest.mark.timeout(60)
+async def test_pods_that_cannot_be_listed_fail_no_child(tmp_path: Path) -> None:
+    """An operator without `list pods` (an old ClusterRole): the status says so, every child is applied."""
+    pytest.importorskip("kmock")
+    pytest.importorskip("kopf")
+    from pagedserve.testing.kmock_cluster import emulated_cluster, eventually, get, running_operator
+
+    async with emulated_cluster() as (emulator, client):
+        emulator[f"get /api/v1/namespaces/{NS}/pods"] << 403
+        pinned = {STARTUP_ADAPTERS_ANNOTATION: json.dumps(ADAPTERS[:1])}
+        (await client.post(MD_PATH, json=modeldeployment(ADAPTERS[:1], pinned))).raise_for_status()
+        async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "no-pods"):
+
+            async def failed() -> dict[str, Any] | None:
+                status = (await get(client, f"{MD_PATH}/lora") or {}).get("status") or {}
+                return status if status.get("phase") == "Failed" else None
+
+            status = await eventually(failed, what="phase Failed")
+            reconciled = {c["type"]: c for c in status["conditions"]}["Reconciled"]
+            assert "listing the engine pods" in reconciled["message"] and "403" in reconciled["message"]
+            assert await get(client, ENGINE_PATH) is not None

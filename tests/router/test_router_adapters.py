@@ -4,7 +4,6 @@ adapter, the router's own /v1/models the union, unknown models 404 (router/adapt
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,6 +23,7 @@ from pagedserve.router.proxy import RouterApp, RouterConfig
 from pagedserve.server.core.block_hash import chain_hashes, salted_root, seed_hash
 
 from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.net import wait_until
 from pagedserve.testing.server_thread import ServerThread
 
 BASE_MODEL = "m"
@@ -94,16 +94,6 @@ def lora_fleet(tiny_tokenizer):
         f.close()
 
 
-def wait_for(check, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_each_adapter_lands_only_on_its_replicas(lora_fleet):
     f = lora_fleet()
     holders = {name: {f"r{i}" for i in on} for name, on in PLACEMENT.items()}
@@ -169,7 +159,7 @@ def test_runtime_load_unload_and_unknown_models(lora_fleet):
         f.backends[1].url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "/adapters/late"}
     )
     assert load.status_code == 200, load.text
-    wait_for(lambda: "late" in {c["id"] for c in f.client.get("/v1/models").json()["data"]}, what="a poll")
+    wait_until(lambda: "late" in {c["id"] for c in f.client.get("/v1/models").json()["data"]}, 10, "a poll")
     backends = {
         f.client.post("/v1/chat/completions", json=chat("late", t)).json()["backend"] for t in range(6)
     }
@@ -177,7 +167,7 @@ def test_runtime_load_unload_and_unknown_models(lora_fleet):
 
     # r1 becomes unhealthy: the adapter exists but no ready replica holds it -> 503 with Retry-After
     f.backends[1].app.health_status = 503
-    wait_for(lambda: not f.app.balancer.backends[f.backends[1].url].ready, what="r1 out of the ring")
+    wait_until(lambda: not f.app.balancer.backends[f.backends[1].url].ready, 10, "r1 out of the ring")
     r = f.client.post("/v1/chat/completions", json=chat("late", 0))
     assert r.status_code == 503 and int(r.headers["retry-after"]) > 0
     f.backends[1].app.health_status = 200
@@ -187,9 +177,10 @@ def test_runtime_load_unload_and_unknown_models(lora_fleet):
         httpx.post(f.backends[1].url + "/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code
         == 200
     )
-    wait_for(
+    wait_until(
         lambda: f.client.post("/v1/chat/completions", json=chat("late", 0)).status_code == 404,
-        what="unload seen",
+        10,
+        "unload seen",
     )
     assert metric_value(f.client.get("/metrics").text, "pagedserve_router_model_not_found_total") >= 2
 
