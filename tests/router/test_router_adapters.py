@@ -137,8 +137,8 @@ def test_adapter_load_stays_bounded_among_holders(lora_fleet):
     backends = [r.json()["backend"] for r in answers]
     assert {r.status_code for r in answers} == {200}
     assert set(backends) == {"r0", "r2"}, backends  # both holders, never r1
-    # the bound: max(2, 1.25 * (in flight + 1) / 2 holders) of 12 concurrent is at most 8 on one replica
-    assert max(backends.count("r0"), backends.count("r2")) <= 8, backends
+    # the bound among the 2 holders, max(2, 1.25 * (in flight + 1) / 2), with all 12 in flight at the end
+    assert max(backends.count("r0"), backends.count("r2")) <= 1.25 * (12 + 1) / 2, backends
 
 
 def test_runtime_load_unload_and_unknown_models(lora_fleet):
