@@ -42,7 +42,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
-from pagedserve.router.adapters import ServedModels
+from pagedserve.router.adapters import ServedModels, adapter_names
 
 STRATEGIES = ("prefix-hash", "least-load", "round-robin", "kv-events")
 
@@ -263,6 +263,7 @@ class Balancer:
         # Round-robin and least-load rotation start at a random offset, so that router replicas started
         # together do not walk the fleet in step.
         self._rr = self.rng.randrange(1 << 16)
+        self._adapter_names: frozenset[str] | None = None
 
     # --- membership ------------------------------------------------------------------------------
     def set_backends(self, urls: Iterable[str]) -> None:
@@ -304,6 +305,7 @@ class Balancer:
         return True
 
     def _sync_ring(self) -> None:
+        self._adapter_names = None  # a replica came or went: its adapters with it
         ready = {url for url, s in self.backends.items() if s.ready}
         for url, s in self.backends.items():
             # A replica that left the ring lost (or will lose, on restart) its cache: forget its index.
@@ -323,8 +325,15 @@ class Balancer:
 
     def set_models(self, url: str, models: ServedModels | None) -> None:
         state = self.backends.get(url)
-        if state is not None:
+        if state is not None and state.models != models:
             state.models = models
+            self._adapter_names = None
+
+    def adapter_names(self) -> frozenset[str]:
+        """Every LoRA adapter some replica lists (cached until a list changes or a replica goes)."""
+        if self._adapter_names is None:
+            self._adapter_names = adapter_names(s.models for s in self.backends.values())
+        return self._adapter_names
 
     def acquire(self, url: str) -> None:
         state = self.backends.get(url)

@@ -19,6 +19,12 @@ upstream connection: the replica aborts the request (``RouterApp.proxy``). A cli
 sending its body is never forwarded. A replica's answer is remembered for prefix affinity only when it is a
 success (2xx): a refused or failed request cached nothing there.
 
+LoRA adapters (router/adapters.py): each replica's /v1/models, read in its health poll, says which
+adapters it serves. A request whose ``model`` is an adapter goes only to the ready replicas that list it
+(the same balancer, its load bound taken among them), its prefix hashes rooted at the adapter as the
+engine roots them; no ready holder is a 503 with Retry-After, a model no replica serves a 404
+``model_not_found``. ``GET /v1/models`` answers the union of the replicas' lists.
+
 While no replica is ready, requests can be held until one is (``--max-held-requests``; a full queue or a
 timeout gets 503 with Retry-After), and the engines woken from zero (``--scale-from-zero``):
 router/activator.py.
@@ -50,7 +56,6 @@ from pagedserve.router.adapters import (
     NOT_FOUND,
     NOT_LOADED,
     Route,
-    adapter_names,
     request_model,
     route_for,
     union_cards,
@@ -597,7 +602,7 @@ class RouterApp:
         method = scope["method"]
         key = PromptKey()
         if method == "POST" and body:
-            adapters = adapter_names(s.models for s in balancer.backends.values())
+            adapters = balancer.adapter_names()
             # A long prompt, or a request's own template (up to its render bound): keep the loop serving.
             if self.hasher is not None and (len(body) > _TOKENIZE_INLINE_MAX or b"chat_template" in body):
                 key = await asyncio.to_thread(self._prompt_key, path, body, adapters)
