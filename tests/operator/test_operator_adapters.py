@@ -194,13 +194,14 @@ async def test_operator_loads_and_unloads_adapters_on_ready_pods(tmp_path: Path,
                        adapters={"sql": "acme/sql-lora"}),  # started with the startup set
             port=port, host=f"127.0.0.{i + 2}",
         ).start()
-        for i in range(2)
+        for i in range(3)  # lora-engine-2 becomes ready later
     }  # fmt: skip
     fakes = {name: server.app for name, server in engines.items()}
+    posted = ["lora-engine-0", "lora-engine-1"]
     try:
         async with emulated_cluster() as (_, client):
             (await client.post(MD_PATH, json=modeldeployment(first))).raise_for_status()
-            for i, name in enumerate(engines):
+            for i, name in enumerate(posted):
                 (
                     await client.post(f"/api/v1/namespaces/{NS}/pods", json=pod(name, f"127.0.0.{i + 2}"))
                 ).raise_for_status()
@@ -215,7 +216,7 @@ async def test_operator_loads_and_unloads_adapters_on_ready_pods(tmp_path: Path,
                 return (await md()).get("status", {}).get("adapters")
 
             def on_pods(*names: str) -> list[dict[str, Any]]:
-                return [{"pod": pod_name, "adapters": sorted(names)} for pod_name in engines]
+                return [{"pod": pod_name, "adapters": sorted(names)} for pod_name in posted]
 
             async with running_operator(str(client.base_url).rstrip("/"), tmp_path, "adapters") as log:
                 # the first adapters: the startup set is pinned and the engines start with it
@@ -240,8 +241,8 @@ async def test_operator_loads_and_unloads_adapters_on_ready_pods(tmp_path: Path,
                 ]
                 await merge_patch(client, f"{MD_PATH}/lora", {"spec": {"adapters": more}})
                 await eventually(lambda: listed("sql", "code", "fr"), what="code and fr loaded")
-                for fake in fakes.values():
-                    assert fake.adapters == {
+                for name in posted:
+                    assert fakes[name].adapters == {
                         "sql": "acme/sql-lora",
                         "code": "/opt/adapters/code",
                         "fr": "acme/fr",
@@ -252,7 +253,15 @@ async def test_operator_loads_and_unloads_adapters_on_ready_pods(tmp_path: Path,
                 # remove one -> unloaded everywhere, still no template change
                 await merge_patch(client, f"{MD_PATH}/lora", {"spec": {"adapters": more[1:]}})
                 await eventually(lambda: listed("code", "fr"), what="sql unloaded")
-                assert all("sql" not in fake.adapters for fake in fakes.values())
+                assert all("sql" not in fakes[name].adapters for name in posted)
+                assert (await get(client, ENGINE_PATH))["spec"]["template"] == template
+
+                # a pod ready later (a scale-up: it started with the startup set) gets the spec's adapters
+                posted.append("lora-engine-2")
+                late = pod("lora-engine-2", "127.0.0.4")
+                (await client.post(f"/api/v1/namespaces/{NS}/pods", json=late)).raise_for_status()
+                await eventually(lambda: listed("code", "fr"), what="the late pod's adapters")
+                assert fakes["lora-engine-2"].adapters == {"code": "/opt/adapters/code", "fr": "acme/fr"}
                 assert (await get(client, ENGINE_PATH))["spec"]["template"] == template
 
                 # a pod refuses a load -> the fallback: the startup set becomes the spec's, the engines roll
