@@ -25,6 +25,7 @@ PRINTER_COLUMNS = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+    {"name": "Adapters", "type": "integer", "jsonPath": ".status.adapterCount"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

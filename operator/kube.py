@@ -181,6 +181,14 @@ class Kube:
                 return None
             raise
 
+    async def list(
+        self, api_version: str, plural: str, namespace: str | None, label_selector: str
+    ) -> list[dict[str, Any]]:
+        listed = await self.request(
+            "GET", object_path(api_version, plural, namespace), params={"labelSelector": label_selector}
+        )
+        return list((listed or {}).get("items") or [])
+
     async def create(self, plural: str, manifest: dict[str, Any]) -> dict[str, Any]:
         meta = manifest["metadata"]
         path = object_path(manifest["apiVersion"], plural, meta.get("namespace"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE
+from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE, ENGINE_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="coordinate several operator replicas through this kopf peering object (default: standalone)",
     )
+    parser.add_argument(
+        "--engine-port",
+        type=int,
+        default=int(os.environ.get("PAGEDSERVE_OPERATOR_ENGINE_PORT", ENGINE_PORT)),
+        help=f"the engine pods' port, for loading and unloading LoRA adapters (default {ENGINE_PORT})",
+    )
     parser.add_argument("--verbose", action="store_true", help="log more")
     parser.add_argument("--debug", action="store_true", help="log everything, kopf's internals too")
 
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 allow_secret_env=args.allow_secret_env,
                 allowed_image_prefixes=tuple(args.allowed_image_prefix),
             ),
+            engine_port=args.engine_port,
         ),
         resync_seconds=args.resync_seconds,
     )

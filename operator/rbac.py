@@ -52,6 +52,8 @@ def operator_rules() -> list[dict[str, Any]]:
         # ... and with scale-from-zero: the scale subresource, which the operator also sets to 0 itself
         # (operator/idle.py), and the routers' last-request annotation.
         *ROUTER_SCALE_RULES,
+        # Engine pods: their IPs, to load and unload LoRA adapters on each (operator/adapters.py).
+        _rule("", ["pods"], ["list"]),
         # Warning Events on failures (kopf posts core/v1 Events).
         _rule("", ["events"], ["create"]),
         # kopf itself: namespaces (for --namespace patterns) and CRDs (resources that appear later).

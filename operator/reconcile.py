@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from kubernetes.utils.quantity import parse_quantity
+from pagedserve.operator.adapters import AdapterSync, sync_adapters
 from pagedserve.operator.idle import scale_down_due
 from pagedserve.operator.kube import Kube, KubeError
 from pagedserve.operator.policy import Policy, refusals
@@ -23,9 +24,14 @@ from pagedserve.operator.resources import (
     DEFAULT_CPU_IMAGE,
     DEFAULT_IMAGE,
     DEFAULT_ROUTER_IMAGE,
+    ENGINE_PORT,
     HASH_ANNOTATION,
     MANAGER,
+    STARTUP_ADAPTERS_ANNOTATION,
+    adapter_path,
+    adapter_set_json,
     engine_name,
+    label_selector,
     potential_children,
     render,
     router_name,
@@ -48,6 +54,7 @@ class Options:
     default_cpu_image: str = DEFAULT_CPU_IMAGE
     default_router_image: str = DEFAULT_ROUTER_IMAGE
     policy: Policy = field(default_factory=Policy)
+    engine_port: int = ENGINE_PORT  # where the operator reaches engine pods (adapter load/unload)
 
 
 @dataclass
@@ -164,24 +171,33 @@ async def reconcile(
     meta = modeldeployment["metadata"]
     name, uid = meta["name"], meta["uid"]
 
-    try:
-        spec = parse_spec(modeldeployment.get("spec"))
-        modeldeployment, spec = await scale_down_if_idle(kube, modeldeployment, spec, logger)
-        with_podmonitor = await kube.served(*PODMONITOR_API)
-        children = render(
-            modeldeployment,
+    def render_children(md: dict[str, Any]) -> list[dict[str, Any]]:
+        return render(
+            md,
             with_podmonitor=with_podmonitor,
             default_image=options.default_image,
             default_cpu_image=options.default_cpu_image,
             default_router_image=options.default_router_image,
         )
+
+    try:
+        spec = parse_spec(modeldeployment.get("spec"))
+        modeldeployment, spec = await scale_down_if_idle(kube, modeldeployment, spec, logger)
+        with_podmonitor = await kube.served(*PODMONITOR_API)
+        children = render_children(modeldeployment)
     except ValueError as error:  # pydantic.ValidationError is a ValueError
         await fail(kube, modeldeployment, SpecError(f"invalid spec: {format_validation_error(error)}"), error)
     refused = refusals(spec, options.policy)
     if refused:
         await fail(kube, modeldeployment, PolicyRefusal(f"refused: {'; '.join(refused)}"))
+    # Adapters first, so that a fallback (a new startup set) is rendered in this same round.
+    pinned, adapters = await reconcile_adapters(kube, modeldeployment, spec, options.engine_port, logger)
+    if pinned is not modeldeployment:
+        modeldeployment, children = pinned, render_children(pinned)
 
     result = Result(status={})
+    if adapters is not None and adapters.list_error:
+        result.errors.append(adapters.list_error)
     live: dict[str, dict[str, Any]] = {}
     for manifest in children:
         try:
@@ -207,12 +223,51 @@ async def reconcile(
         replicas=spec.replicas,
         router_replicas=spec.router.replicas,
         error=error,
+        adapters=adapters.status() if adapters is not None else None,
+        adapter_count=len(spec.adapters),
     )
     await write_status(kube, modeldeployment, result.status)
     for verb, refs in (("created", result.created), ("patched", result.patched), ("deleted", result.deleted)):
         if refs:
             logger.info(f"{verb} {', '.join(refs)}")
     return result
+
+
+async def reconcile_adapters(
+    kube: Kube, modeldeployment: dict[str, Any], spec: ModelDeploymentSpec, port: int, logger: Any
+) -> tuple[dict[str, Any], AdapterSync | None]:
+    """spec.adapters on the running engines (operator/adapters.py); returns the ModelDeployment (a new
+    dict when its startup adapter set was written, resources.py's STARTUP_ADAPTERS_ANNOTATION) and the
+    sync's result (None when no pod was asked).
+
+    First adapters: the spec's set is pinned as the startup set (the engines must start with LoRA on,
+    so the template changes once). Later changes: load/unload on every ready pod, the template unchanged.
+    A pod that refuses or does not answer: the fallback, the spec's set becomes the startup set and the
+    Deployment rolls (a no-op when it already is: the roll is under way)."""
+    meta = modeldeployment["metadata"]
+    pinned = (meta.get("annotations") or {}).get(STARTUP_ADAPTERS_ANNOTATION)
+    if not spec.adapters and pinned is None:
+        return modeldeployment, None
+    wanted = adapter_set_json(list(spec.adapters))
+    sync = None
+    if pinned is not None:
+        try:
+            pods = await kube.list("v1", "pods", meta["namespace"], label_selector(meta["name"], "engine"))
+        except KubeError as error:  # reported in the status; the children are applied all the same
+            return modeldeployment, AdapterSync(list_error=f"listing the engine pods: {error}")
+        desired = {adapter.name: adapter_path(adapter) for adapter in spec.adapters}
+        sync = await sync_adapters(pods, port, desired)
+        if not sync.failed:
+            return modeldeployment, sync
+        if pinned != wanted:
+            logger.warning(f"adapters not loaded at runtime ({'; '.join(sync.failed)}): rolling the engines")
+    if pinned == wanted:
+        return modeldeployment, sync
+    patch = {"metadata": {"annotations": {STARTUP_ADAPTERS_ANNOTATION: wanted}}}
+    await kube.merge_patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], patch)
+    updated = copy.deepcopy(modeldeployment)
+    updated["metadata"].setdefault("annotations", {})[STARTUP_ADAPTERS_ANNOTATION] = wanted
+    return updated, sync
 
 
 async def scale_down_if_idle(

@@ -27,8 +27,10 @@ from pagedserve.operator.idle import activity_interval
 from pagedserve.operator.spec import (
     API_VERSION,
     GROUP,
+    HF_SCHEME,
     KIND,
     PLURAL,
+    Adapter,
     ModelDeploymentSpec,
     parse_spec,
     quantity,
@@ -44,6 +46,15 @@ ROUTER_PORT = 8000
 SERVICE_PORT = 80
 HF_HOME = "/cache/huggingface"
 MODEL_PVC_MOUNT = "/model-pvc"
+# LoRA adapters. The engines start with the ModelDeployment's *startup* adapter set (--lora-modules), kept
+# in this annotation on the ModelDeployment; spec.adapters changes reach running engines through their
+# load/unload API (operator/adapters.py) and leave the pod template alone. The operator writes the
+# annotation when a ModelDeployment first has adapters, and again (the fallback) when an engine refuses a
+# load or does not answer: the template then changes, with the adapter set's hash on the pods, and the
+# Deployment rolls to pods that start with every adapter.
+STARTUP_ADAPTERS_ANNOTATION = f"{GROUP}/startup-adapters"
+ADAPTERS_HASH_ANNOTATION = f"{GROUP}/adapters-hash"
+ADAPTERS_MOUNT = "/adapters"  # pvc:// adapters: each claim read-only at /adapters/<claim>
 # The user and group of both images (Dockerfile: `useradd --uid 10001`). Set in the pods too, so that a
 # namespace enforcing PodSecurity "restricted" admits them and fsGroup makes the cache volume theirs.
 RUN_AS_USER = 10001
@@ -153,6 +164,33 @@ def potential_children(name: str) -> list[tuple[str, str, str]]:
     ]
 
 
+def adapter_path(adapter: Adapter) -> str:
+    """The adapter's lora_path as the engine sees it: a Hugging Face id, or a folder in the container."""
+    pvc = adapter.pvc
+    if pvc is not None:
+        return f"{ADAPTERS_MOUNT}/{pvc[0]}/{pvc[1]}".rstrip("/")
+    if adapter.url.startswith(HF_SCHEME):
+        return adapter.url[len(HF_SCHEME) :]
+    return adapter.url
+
+
+def adapter_set_json(adapters: list[Adapter]) -> str:
+    """The startup annotation's value: the adapters as the spec lists them, canonical JSON."""
+    return json.dumps([a.model_dump() for a in adapters], sort_keys=True, separators=(",", ":"))
+
+
+def startup_adapters(modeldeployment: dict[str, Any], spec: ModelDeploymentSpec) -> list[Adapter]:
+    """The adapters the engines start with: the annotation's, else (unpinned or unreadable) the spec's."""
+    annotations = (modeldeployment.get("metadata") or {}).get("annotations") or {}
+    raw = annotations.get(STARTUP_ADAPTERS_ANNOTATION)
+    if raw is None:
+        return list(spec.adapters)
+    try:
+        return [Adapter.model_validate(item) for item in json.loads(raw)]
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+        return list(spec.adapters)
+
+
 def spec_hash(manifest: dict[str, Any]) -> str:
     """A digest of a rendered manifest, without its own hash annotation."""
     body = copy.deepcopy(manifest)
@@ -181,7 +219,9 @@ def render(
     if not name or not namespace or not uid:
         raise ValueError("a ModelDeployment needs metadata.name, metadata.namespace and metadata.uid")
     spec = parse_spec(modeldeployment.get("spec"))
+    spec.check_adapter_names(name)
     ctx = _Context(name, namespace, uid, spec, default_image, default_cpu_image, default_router_image)
+    ctx.startup_adapters = startup_adapters(modeldeployment, spec)
 
     children = [
         ctx.engine_deployment(),
@@ -224,6 +264,13 @@ class _Context:
         self.image = spec.image or (default_image if spec.resources.gpus else default_cpu_image)
         self.router_image = spec.router.image or default_router_image
         self.served_model_name = spec.served_model_name or name
+        self.startup_adapters: list[Adapter] = list(spec.adapters)
+
+    @property
+    def lora(self) -> bool:
+        """LoRA on: adapters in the spec or in the startup set (so removing the last adapter restarts no
+        engine; adding the first one does, as the engines start without LoRA)."""
+        return bool(self.spec.adapters or self.startup_adapters)
 
     # -- shared pieces -------------------------------------------------------------------------
 
@@ -336,7 +383,50 @@ class _Context:
             args.append("--no-enable-prefix-caching")
         elif spec.router.strategy == "kv-events":  # the router subscribes to them (router/kv_events.py)
             args.append("--enable-kv-events")
-        return args + list(engine.extra_args)
+        return args + self.lora_args() + list(engine.extra_args)
+
+    def lora_args(self) -> list[str]:
+        if not self.lora:
+            return []
+        engine = self.spec.engine
+        args = [
+            "--enable-lora",
+            "--max-loras",
+            str(engine.max_loras),
+            "--max-lora-rank",
+            str(engine.max_lora_rank),
+        ]
+        if engine.max_cpu_loras is not None:
+            args += ["--max-cpu-loras", str(engine.max_cpu_loras)]
+        if self.startup_adapters:
+            args += ["--lora-modules", *(f"{a.name}={adapter_path(a)}" for a in self.startup_adapters)]
+        return args
+
+    def adapter_volumes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(volumes, mounts) for the claims of pvc:// adapters, spec and startup ones: a claim is mounted
+        before an adapter on it is loaded at runtime (a new claim changes the template: a restart)."""
+        claims = sorted(
+            {a.pvc[0] for a in [*self.spec.adapters, *self.startup_adapters] if a.pvc is not None}
+        )
+        volumes = [
+            {"name": f"adapters-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+            for i, claim in enumerate(claims)
+        ]
+        mounts = [
+            {"name": f"adapters-{i}", "mountPath": f"{ADAPTERS_MOUNT}/{claim}", "readOnly": True}
+            for i, claim in enumerate(claims)
+        ]
+        return volumes, mounts
+
+    def lora_env(self) -> list[dict[str, Any]]:
+        # vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, which the operator calls.
+        return [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"}] if self.lora else []
+
+    def lora_annotations(self) -> dict[str, str]:
+        if not self.lora:
+            return {}
+        digest = hashlib.sha256(adapter_set_json(self.startup_adapters).encode()).hexdigest()[:16]
+        return {ADAPTERS_HASH_ANNOTATION: digest}
 
     def engine_deployment(self) -> dict[str, Any]:
         spec, res = self.spec, self.spec.resources
@@ -358,6 +448,7 @@ class _Context:
             "command": ["pagedserve", "serve"],
             "args": self.engine_args(),
             "env": self.common_env({**WRITABLE_ENV, **ENGINE_WRITABLE_ENV}, "PAGEDSERVE_API_KEY")
+            + self.lora_env()
             + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "resources": {"requests": requests, "limits": limits},
@@ -381,6 +472,7 @@ class _Context:
             },
         }
         model_volumes, model_mounts = self.model_volumes()
+        adapter_volumes, adapter_mounts = self.adapter_volumes()
         if spec.model_cache is not None:
             cache_volume = {"name": "cache", "persistentVolumeClaim": {"claimName": cache_name(self.name)}}
         else:
@@ -390,12 +482,14 @@ class _Context:
             {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": res.shm_size}},
             *model_volumes,
+            *adapter_volumes,
         ]
         container["volumeMounts"] = [
             {"name": "cache", "mountPath": HF_HOME},
             {"name": "tmp", "mountPath": TMP},
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model_mounts,
+            *adapter_mounts,
         ]
         pod_spec: dict[str, Any] = {
             **self.pod_common(),
@@ -421,7 +515,11 @@ class _Context:
                 "template": {
                     "metadata": {
                         "labels": labels(self.name, "engine"),
-                        "annotations": {**self.scrape_annotations(ENGINE_PORT), **spec.pod_annotations},
+                        "annotations": {
+                            **self.scrape_annotations(ENGINE_PORT),
+                            **self.lora_annotations(),
+                            **spec.pod_annotations,
+                        },
                     },
                     "spec": pod_spec,
                 },

@@ -38,6 +38,21 @@ QUANTITY_RE = re.compile(
 )
 # pvc://<claim>/<optional path>; the claim is a DNS-1123 subdomain.
 PVC_MODEL_RE = re.compile(r"^pvc://([a-z0-9]([-a-z0-9.]*[a-z0-9])?)(/.*)?$")
+# LoRA adapters (KubeAI's convention): hf://<org>/<repo>, pvc://<claim>/<path> or an absolute path.
+HF_SCHEME = "hf://"
+HF_ADAPTER_RE = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")
+# An adapter's name is a model name in requests and in vLLM's --lora-modules name=path: DNS-1123-ish
+# (lower case, digits, '-', '.', '_'), so that it is also safe in label values and metric labels.
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$")
+MAX_ADAPTERS = 64
+
+
+def pvc_location(url: str) -> tuple[str, str] | None:
+    """(claim, path inside the claim) of a pvc://<claim>/<path> url (a model's or an adapter's), else None."""
+    match = PVC_MODEL_RE.match(url)
+    if not match:
+        return None
+    return match.group(1), (match.group(3) or "/").lstrip("/")
 
 
 def quantity(value: Any) -> str:
@@ -137,12 +152,79 @@ class Engine(CamelModel):
         description="Appended to `pagedserve serve` (vLLM-compatible flags).",
         json_schema_extra=SERVER_DEFAULT_LIST,
     )
+    # LoRA (used when spec.adapters is set): vLLM's flags and defaults.
+    max_loras: int = Field(
+        1,
+        ge=1,
+        description=(
+            "--max-loras: adapters in one batch (resident on the accelerator); more are served in turn"
+            " (vLLM's default 1: raise it to the number of adapters used at once)."
+        ),
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="--max-lora-rank: the largest adapter rank the engine accepts."
+    )
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="--max-cpu-loras: adapters kept in CPU memory (default maxLoras)."
+    )
 
     @model_validator(mode="after")
     def _batched_tokens(self) -> Engine:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("engine.maxNumBatchedTokens must be >= engine.maxNumSeqs")
         return self
+
+
+class Adapter(CamelModel):
+    """A LoRA adapter of the model, served beside it under its own name (KubeAI's `adapters`)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        description="The model name clients send to use this adapter (lower case, digits, '-', '.', '_').",
+        json_schema_extra=cel(
+            f"self.matches('{ADAPTER_NAME_RE.pattern}')",
+            "spec.adapters[].name must be lower case letters, digits, '-', '.' or '_', starting and ending"
+            " with a letter or digit",
+        ),
+    )
+    url: str = Field(
+        min_length=1,
+        max_length=1024,
+        description=(
+            "Where the PEFT adapter is: hf://<org>/<repo> (downloaded by the engine), pvc://<claim>/<path>"
+            " (the claim is mounted read-only) or an absolute path inside the image."
+        ),
+        json_schema_extra=cel(
+            f"self.matches('{HF_ADAPTER_RE.pattern}') || self.matches('{PVC_MODEL_RE.pattern}')"
+            " || self.startsWith('/')",
+            "spec.adapters[].url must be hf://<org>/<repo>, pvc://<claim>/<path> or an absolute path",
+        ),
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not ADAPTER_NAME_RE.match(value):
+            raise ValueError(
+                "adapter names are lower case letters, digits, '-', '.' or '_', starting and ending with a"
+                " letter or digit"
+            )
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not (HF_ADAPTER_RE.match(value) or PVC_MODEL_RE.match(value) or value.startswith("/")):
+            raise ValueError(
+                "adapter url must be hf://<org>/<repo>, pvc://<claim>/<path> or an absolute path"
+            )
+        return value
+
+    @property
+    def pvc(self) -> tuple[str, str] | None:
+        """(claim, path inside the claim) for pvc:// adapters."""
+        return pvc_location(self.url)
 
 
 class RouterResources(CamelModel):
@@ -286,10 +368,19 @@ class EnvVar(CamelModel):
 
 class ModelDeploymentSpec(CamelModel):
     model_config = ConfigDict(
-        json_schema_extra=cel(
-            "!has(self.autoscaling) || self.autoscaling.minReplicas >= 1 || has(self.scaleFromZero)",
-            "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero",
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                *cel(
+                    "!has(self.autoscaling) || self.autoscaling.minReplicas >= 1 || has(self.scaleFromZero)",
+                    "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero",
+                )["x-kubernetes-validations"],
+                *cel(
+                    "!has(self.servedModelName) || !has(self.adapters)"
+                    " || self.adapters.all(a, a.name != self.servedModelName)",
+                    "spec.adapters[].name must differ from spec.servedModelName",
+                )["x-kubernetes-validations"],
+            ]
+        }
     )
 
     model: str = Field(
@@ -355,6 +446,20 @@ class ModelDeploymentSpec(CamelModel):
             " request, which the routers hold meanwhile."
         ),
     )
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description=(
+            "LoRA adapters served beside the model, each under its own name. Adding or removing one loads"
+            " or unloads it on every ready engine replica, without a restart."
+        ),
+        json_schema_extra={
+            # Unique names: the API server merges and checks the list by name (the rule says so in words).
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            **cel("self.all(a, self.exists_one(b, b.name == a.name))", "spec.adapters[].name must be unique"),
+        },
+    )
 
     @model_validator(mode="after")
     def _zero_needs_scale_from_zero(self) -> ModelDeploymentSpec:
@@ -362,6 +467,24 @@ class ModelDeploymentSpec(CamelModel):
         if scaling is not None and scaling.min_replicas < 1 and self.scale_from_zero is None:
             raise ValueError("autoscaling.minReplicas 0 needs spec.scaleFromZero")
         return self
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ModelDeploymentSpec:
+        names = [adapter.name for adapter in self.adapters]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapters: names must be unique; repeated: {', '.join(repeated)}")
+        if self.served_model_name in names:
+            raise ValueError(
+                f"adapters: {self.served_model_name!r} is spec.servedModelName, the base model's name"
+            )
+        return self
+
+    def check_adapter_names(self, name: str) -> None:
+        """An adapter may not take the base model's name, metadata.name when servedModelName is unset
+        (the spec alone cannot see it: render() calls this)."""
+        if self.served_model_name is None and any(adapter.name == name for adapter in self.adapters):
+            raise ValueError(f"spec.adapters: {name!r} is the served model name (metadata.name)")
 
     @field_validator("model")
     @classmethod
@@ -377,10 +500,7 @@ class ModelDeploymentSpec(CamelModel):
     @property
     def pvc_model(self) -> tuple[str, str] | None:
         """(claim, path inside the claim) for pvc:// models."""
-        match = PVC_MODEL_RE.match(self.model)
-        if not match:
-            return None
-        return match.group(1), (match.group(3) or "/").lstrip("/")
+        return pvc_location(self.model)
 
 
 def parse_spec(spec: dict[str, Any] | None) -> ModelDeploymentSpec:

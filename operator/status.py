@@ -35,6 +35,13 @@ class Condition(CamelModel):
     observed_generation: Int64 | None = None
 
 
+class ReplicaAdapters(CamelModel):
+    """The LoRA adapters one ready engine pod serves (its /v1/models), as of the last reconcile."""
+
+    pod: str
+    adapters: list[str] = Field(default_factory=list)
+
+
 class ModelDeploymentStatus(CamelModel):
     """The observed state, written by the operator (compute_status)."""
 
@@ -47,6 +54,10 @@ class ModelDeploymentStatus(CamelModel):
         None, description="The engine pods' label selector (the scale subresource's, for the HPA)."
     )
     observed_generation: Int64 | None = None
+    adapter_count: Int32 | None = Field(None, description="The number of spec.adapters (printer column).")
+    adapters: list[ReplicaAdapters] | None = Field(
+        None, description="Per ready engine pod, the LoRA adapters it serves (read from its /v1/models)."
+    )
     # One entry per type, merged by type on server-side apply.
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -123,6 +134,8 @@ def compute_status(
     replicas: int,
     router_replicas: int,
     error: str | None = None,
+    adapters: list[dict[str, Any]] | None = None,
+    adapter_count: int = 0,
 ) -> dict[str, Any]:
     """The status the operator writes: engine/router from the live Deployments, error from applying."""
     meta = modeldeployment.get("metadata") or {}
@@ -189,6 +202,9 @@ def compute_status(
     }
     if generation is not None:
         status["observedGeneration"] = generation
+    if adapters is not None or adapter_count:
+        status["adapterCount"] = adapter_count
+        status["adapters"] = adapters or []
     return status
 
 

@@ -40,7 +40,9 @@ import bisect
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+
+from pagedserve.router.adapters import ServedModels, adapter_names
 
 STRATEGIES = ("prefix-hash", "least-load", "round-robin", "kv-events")
 
@@ -196,7 +198,7 @@ def least_loaded(loads: dict[str, float], rng: random.Random) -> str:
 class BackendState:
     """What the balancer knows of one replica."""
 
-    __slots__ = ("discovered", "healthy", "in_flight", "index", "kv_usage", "url", "waiting")
+    __slots__ = ("discovered", "healthy", "in_flight", "index", "kv_usage", "models", "url", "waiting")
 
     def __init__(self, url: str, index_capacity: int) -> None:
         self.url = url
@@ -206,6 +208,7 @@ class BackendState:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self.index = LRUIndex(index_capacity)
+        self.models: ServedModels | None = None  # its /v1/models (router/adapters.py); None: not read yet
 
     @property
     def ready(self) -> bool:
@@ -260,6 +263,7 @@ class Balancer:
         # Round-robin and least-load rotation start at a random offset, so that router replicas started
         # together do not walk the fleet in step.
         self._rr = self.rng.randrange(1 << 16)
+        self._adapter_names: frozenset[str] | None = None
 
     # --- membership ------------------------------------------------------------------------------
     def set_backends(self, urls: Iterable[str]) -> None:
@@ -301,6 +305,7 @@ class Balancer:
         return True
 
     def _sync_ring(self) -> None:
+        self._adapter_names = None  # a replica came or went: its adapters with it
         ready = {url for url, s in self.backends.items() if s.ready}
         for url, s in self.backends.items():
             # A replica that left the ring lost (or will lose, on restart) its cache: forget its index.
@@ -317,6 +322,18 @@ class Balancer:
         if state is not None:
             state.waiting = max(0.0, float(waiting))
             state.kv_usage = min(1.0, max(0.0, float(kv_usage)))
+
+    def set_models(self, url: str, models: ServedModels | None) -> None:
+        state = self.backends.get(url)
+        if state is not None and state.models != models:
+            state.models = models
+            self._adapter_names = None
+
+    def adapter_names(self) -> frozenset[str]:
+        """Every LoRA adapter some replica lists (cached until a list changes or a replica goes)."""
+        if self._adapter_names is None:
+            self._adapter_names = adapter_names(s.models for s in self.backends.values())
+        return self._adapter_names
 
     def acquire(self, url: str) -> None:
         state = self.backends.get(url)
@@ -340,14 +357,20 @@ class Balancer:
         hashes: Sequence[int] = (),
         exclude: Iterable[str] = (),
         kv_matches: dict[str, int] | None = None,
+        only: Collection[str] | None = None,
     ) -> Decision | None:
         """The replica for a request with these block hashes, avoiding ``exclude`` (replicas already
         tried). ``kv_matches``: {url: leading blocks its engine reports holding}, for the replicas whose
-        KV events are synchronised (kv-events); they override the guessed index. None when no ready
-        replica is left."""
+        KV events are synchronised (kv-events); they override the guessed index. ``only``: the replicas
+        allowed at all (those holding the request's LoRA adapter); the load bound is theirs. None when no
+        ready replica is left."""
         kv_matches = kv_matches or {}
         excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
-        cands = [s for s in self.backends.values() if s.ready and s.url not in excluded]
+        cands = [
+            s
+            for s in self.backends.values()
+            if s.ready and s.url not in excluded and (only is None or s.url in only)
+        ]
         if not cands:
             return None
         if self.strategy == "round-robin":

@@ -6,7 +6,8 @@
   in a thread; each endpoint's ``conditions.ready`` decides its discovered readiness. Endpoints come and
   go without a restart; the watch re-lists after errors and expired resource versions.
 * ``HealthMonitor``: one task per replica that every ``interval`` seconds GETs ``/health`` and scrapes
-  ``/metrics`` (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) for the load score. A
+  ``/metrics`` (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) for the load score, and
+  ``/v1/models`` for the LoRA adapters it serves (router/adapters.py; at most ``MAX_MODELS_BYTES``). A
   replica that refuses connections leaves the ring at once; one that times out leaves after
   ``unhealthy_after`` failed checks in a row; any replica rejoins on its first good check.
 
@@ -26,12 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pagedserve.router.adapters import parse_models
 from pagedserve.router.balancer import Balancer
 
 logger = logging.getLogger(__name__)
 
 WAITING_METRICS = ("vllm:num_requests_waiting",)
 KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+MAX_MODELS_BYTES = 1 << 20  # a /v1/models body larger than this is ignored (the replica's list stays unknown)
 
 
 def normalize_url(url: str) -> str:
@@ -333,9 +336,12 @@ class HealthMonitor:
         timeout: float = 5.0,
         unhealthy_after: int = 3,
         on_change: Callable[[], None] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.balancer = balancer
         self.client = client
+        # The engines' --api-key guards /v1/models (not /health or /metrics).
+        self.models_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.interval = interval
         self.timeout = timeout
         self.unhealthy_after = max(1, unhealthy_after)
@@ -404,9 +410,10 @@ class HealthMonitor:
     async def _probe(self, url: str) -> tuple[bool, bool]:
         """(healthy, connection refused)."""
         try:
-            health, metrics = await asyncio.gather(
+            health, metrics, models = await asyncio.gather(
                 self.client.get(url + "/health", timeout=self.timeout),
                 self.client.get(url + "/metrics", timeout=self.timeout),
+                self.client.get(url + "/v1/models", timeout=self.timeout, headers=self.models_headers),
                 return_exceptions=True,
             )
         except Exception:  # pragma: no cover
@@ -414,9 +421,21 @@ class HealthMonitor:
         if isinstance(metrics, httpx.Response) and metrics.status_code == 200:
             waiting, kv = parse_engine_metrics(metrics.text)
             self.balancer.set_scraped(url, waiting, kv)
+        if isinstance(models, httpx.Response):  # a failed fetch keeps the list of the last good poll
+            self.balancer.set_models(url, _models_of(models))
         if isinstance(health, httpx.Response):
             return health.status_code == 200, False
         refused = isinstance(health, httpx.ConnectError)
         if not refused:
             logger.debug("health check of %s: %r", url, health)
         return False, refused
+
+
+def _models_of(response: httpx.Response) -> Any:
+    """The replica's ServedModels from its /v1/models answer; None (unknown) for anything else."""
+    if response.status_code != 200 or len(response.content) > MAX_MODELS_BYTES:
+        return None
+    try:
+        return parse_models(response.json())
+    except (ValueError, RecursionError):
+        return None

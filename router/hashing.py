@@ -46,10 +46,12 @@ def seed_hash(model_name: str) -> bytes:
     return block_hash.seed_hash(model_name)
 
 
-def salted_seed(seed: bytes, cache_salt: Any) -> bytes:
-    """The chain's root for a request with vLLM's ``cache_salt``: the engine salts its first block's
-    hash with it (server/core/block_hash.py), so different salts share no cached prefix."""
-    return block_hash.salted_root(seed, cache_salt if isinstance(cache_salt, str) else None)
+def salted_seed(seed: bytes, cache_salt: Any, lora_name: str | None = None) -> bytes:
+    """The chain's root for a request: the engine salts its first block's hash (server/core/block_hash.py)
+    with the LoRA adapter the request names, then with vLLM's ``cache_salt``, so that blocks computed under
+    one adapter, the base model or another salt never share a cached prefix."""
+    root = block_hash.salted_root(seed, lora_name)
+    return block_hash.salted_root(root, cache_salt if isinstance(cache_salt, str) else None)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[int]:
@@ -256,8 +258,8 @@ class PromptHasher:
             return [], 0
         return self.hashes_of(ids, body.get("cache_salt")), len(ids)
 
-    def hashes_of(self, token_ids: Sequence[int], cache_salt: Any) -> list[int]:
-        return block_hashes(token_ids, self.block_size, salted_seed(self.seed, cache_salt))
+    def hashes_of(self, token_ids: Sequence[int], cache_salt: Any, lora_name: str | None = None) -> list[int]:
+        return block_hashes(token_ids, self.block_size, salted_seed(self.seed, cache_salt, lora_name))
 
 
 def load_tokenizer(name_or_path: str) -> Any:

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.router.hashing import hash_int
-from pagedserve.server.core.block_hash import chain_hashes, salted_root
+from pagedserve.router.hashing import hash_int, salted_seed
+from pagedserve.server.core.block_hash import chain_hashes
 
 DEFAULT_MAX_BLOCKS = 1 << 21  # per replica: far above any engine's pool of blocks
 
@@ -86,9 +86,11 @@ class KVIndex:
         self.replicas[url] = replica
         return len(events)
 
-    def matches(self, token_ids: Sequence[int], cache_salt: Any, urls: Iterable[str]) -> dict[str, int]:
-        """{url: leading blocks of the prompt that replica holds}, for the synchronised ``urls``."""
-        salt = cache_salt if isinstance(cache_salt, str) else None
+    def matches(
+        self, token_ids: Sequence[int], cache_salt: Any, urls: Iterable[str], lora_name: str | None = None
+    ) -> dict[str, int]:
+        """{url: leading blocks of the prompt that replica holds}, for the synchronised ``urls``; the
+        chain is rooted as the engine roots it for this adapter and salt (router/hashing.py)."""
         chains: dict[tuple[bytes, int], list[int]] = {}
         out: dict[str, int] = {}
         for url in urls:
@@ -98,7 +100,7 @@ class KVIndex:
             key = (replica.hash_root, replica.block_size)
             chain = chains.get(key)
             if chain is None:
-                root = salted_root(replica.hash_root, salt)
+                root = salted_seed(replica.hash_root, cache_salt, lora_name)
                 chain = chains[key] = [hash_int(d) for d in chain_hashes(token_ids, replica.block_size, root)]
             out[url] = _leading(chain, replica.hashes)
         return out

@@ -80,6 +80,7 @@ class RouterMetrics:
         )
         self._scale_from_zero_metrics(r)
         self._add_kv_event_metrics(r)
+        self._add_adapter_metrics(r)
         # Every reason from the start, so that the series exist (at 0) before the first decision.
         self._decision_children = {(reason,): self.decisions.labels(reason) for reason in REASONS}
         self._request_children: dict[tuple[str, ...], object] = {}
@@ -148,6 +149,43 @@ class RouterMetrics:
             "Backends whose KV event stream is live and synchronised.",
             registry=r,
         )
+
+    def _add_adapter_metrics(self, r: CollectorRegistry) -> None:
+        """LoRA adapters (router/adapters.py): one series per adapter the replicas list, never per name a
+        client sends (a name no replica lists is only counted)."""
+        self.adapter_requests = Counter(
+            "pagedserve_router_adapter_requests",
+            "Requests for a LoRA adapter, by adapter and outcome: routed (to a replica that lists it), "
+            "not_loaded (503: no ready replica lists it now).",
+            ["lora_name", "outcome"],
+            registry=r,
+        )
+        self.model_not_found = Counter(
+            "pagedserve_router_model_not_found",
+            "Requests answered 404 model_not_found: their model is neither the base nor an adapter of any "
+            "ready replica.",
+            registry=r,
+        )
+        self.adapter_replicas = Gauge(
+            "pagedserve_router_adapter_replicas",
+            "Ready replicas that list the LoRA adapter in their /v1/models.",
+            ["lora_name"],
+            registry=r,
+        )
+        self._adapter_children: dict[tuple[str, ...], object] = {}
+
+    def adapter_request(self, lora_name: str, outcome: str) -> None:
+        self._child(self._adapter_children, self.adapter_requests, lora_name, outcome).inc()
+
+    def set_adapter_replicas(self, counts: dict[str, int]) -> None:
+        """Replace the per-adapter gauge: adapters no replica lists any more lose their series."""
+        self.adapter_replicas.clear()
+        for name, count in counts.items():
+            self.adapter_replicas.labels(name).set(count)
+        for key in [key for key in self._adapter_children if key[0] not in counts]:
+            del self._adapter_children[key]
+            with contextlib.suppress(KeyError):
+                self.adapter_requests.remove(*key)
 
     # Cached label children: `labels()` costs a lock and a dict build per call.
     @staticmethod

@@ -19,6 +19,12 @@ upstream connection: the replica aborts the request (``RouterApp.proxy``). A cli
 sending its body is never forwarded. A replica's answer is remembered for prefix affinity only when it is a
 success (2xx): a refused or failed request cached nothing there.
 
+LoRA adapters (router/adapters.py): each replica's /v1/models, read in its health poll, says which
+adapters it serves. A request whose ``model`` is an adapter goes only to the ready replicas that list it
+(the same balancer, its load bound taken among them), its prefix hashes rooted at the adapter as the
+engine roots them; no ready holder is a 503 with Retry-After, a model no replica serves a 404
+``model_not_found``. ``GET /v1/models`` answers the union of the replicas' lists.
+
 While no replica is ready, requests can be held until one is (``--max-held-requests``; a full queue or a
 timeout gets 503 with Retry-After), and the engines woken from zero (``--scale-from-zero``):
 router/activator.py.
@@ -45,6 +51,15 @@ from typing import Any
 
 import httpx
 from pagedserve.router.activator import Activator, HeldRequestRefused
+from pagedserve.router.adapters import (
+    ADAPTER,
+    NOT_FOUND,
+    NOT_LOADED,
+    Route,
+    request_model,
+    route_for,
+    union_cards,
+)
 from pagedserve.router.balancer import Balancer
 from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES, PromptHasher
@@ -86,6 +101,7 @@ _DROP_REQUEST = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _DROP_RESPONSE = _HOP_BY_HOP
 
 _TOKENIZE_INLINE_MAX = 64 * 1024  # request bodies above this are tokenized in a worker thread
+ADAPTER_RETRY_AFTER_S = 5  # an adapter no ready replica holds: about a health poll or two, or a pod start
 
 # (balancer, on_change) -> an object with `async start()` and `async stop()` that keeps the balancer's
 # replicas up to date and calls on_change after each change (router/discovery.py).
@@ -159,6 +175,16 @@ class RouterConfig:
 
 
 CLIENT_DISCONNECT = "client_disconnect"  # the status label of a request whose client went away
+
+
+@dataclass
+class PromptKey:
+    """What routing reads from a request body: its model, and its prompt's block hashes (salted with its
+    LoRA adapter) and kv-events matches when it has a prompt to hash."""
+
+    model: str | None = None
+    hashes: list[int] = field(default_factory=list)
+    kv_matches: dict[str, int] | None = None
 
 
 @dataclass
@@ -302,6 +328,7 @@ class RouterApp:
             timeout=cfg.health_timeout,
             unhealthy_after=cfg.unhealthy_after,
             on_change=self._on_membership_change,
+            api_key=cfg.engine_api_key,
         )
         self._start_kv_events()
         self._discovery = self._discovery_factory(self.balancer, self._on_discovery_change)
@@ -340,10 +367,10 @@ class RouterApp:
             on_resync=lambda url, reason: metrics.kv_resyncs.labels(reason).inc(),
         )
 
-    def _kv_matches(self, token_ids: list[int], cache_salt: Any) -> dict[str, int] | None:
+    def _kv_matches(self, token_ids: list[int], cache_salt: Any, lora: str | None) -> dict[str, int] | None:
         if self.kv_index is None or self.hasher is None or self.hasher.tokenizer is None:
             return None  # without the engines' tokenizer, no hash can match theirs
-        return self.kv_index.matches(token_ids, cache_salt, list(self.balancer.backends))
+        return self.kv_index.matches(token_ids, cache_salt, list(self.balancer.backends), lora)
 
     async def _stop_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -396,7 +423,9 @@ class RouterApp:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path.startswith("/v1/"):
+            if path == "/v1/models" and scope["method"] == "GET" and self._models_known():
+                await self.list_models(scope, receive, send)
+            elif path.startswith("/v1/"):
                 await self.proxy(scope, receive, send)
             elif path == "/health":
                 body = json.dumps(
@@ -416,6 +445,7 @@ class RouterApp:
             elif path == "/metrics":
                 for url, state in self.balancer.backends.items():
                     self.metrics.backend_load.labels(url).set(state.load)
+                self.metrics.set_adapter_replicas(self._adapter_replicas())
                 if self.kv_index is not None:
                     self.metrics.kv_index_blocks.set(self.kv_index.size())
                     self.metrics.kv_synced_backends.set(len(self.kv_index.replicas))
@@ -442,6 +472,35 @@ class RouterApp:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
+    def _adapter_replicas(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for s in self.balancer.backends.values():
+            for name in s.models.adapters if s.models is not None else ():
+                counts[name] = counts.get(name, 0) + s.ready
+        return counts
+
+    def _models_known(self) -> bool:
+        return any(s.models is not None for s in self.balancer.backends.values())
+
+    async def list_models(self, scope, receive, send) -> None:
+        """GET /v1/models: the union of what the replicas list (bases and adapters), from the last poll.
+        Authenticated as every /v1 route; with no list read yet, proxy() passes it to a replica."""
+        if not self._authorized(scope):
+            await _send_simple(
+                send, 401, error_json("invalid or missing API key", 401, code="invalid_api_key")
+            )
+            self.metrics.request_done("none", "401")
+            return
+        states = sorted(self.balancer.backends.values(), key=lambda s: (not s.ready, s.url))
+        body = json.dumps({"object": "list", "data": union_cards(s.models for s in states)}).encode()
+        await _send_simple(send, 200, body)
+
+    def _authorized(self, scope) -> bool:
+        if self._auth is None:
+            return True
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        return auth is not None and hmac.compare_digest(auth, self._auth)
+
     def backends_snapshot(self) -> list[dict[str, Any]]:
         return [
             {
@@ -454,6 +513,7 @@ class RouterApp:
                 "kv_cache_usage": s.kv_usage,
                 "load": s.load,
                 "indexed_blocks": len(s.index),
+                "adapters": sorted(s.models.adapters) if s.models is not None else None,
                 "kv_events_synced": self.kv_index is not None and self.kv_index.synced(url),
                 "kv_indexed_blocks": self.kv_index.blocks_of(url) if self.kv_index is not None else 0,
                 "idle_connections": self.upstream.idle_connections(url) if self.upstream else 0,
@@ -462,23 +522,31 @@ class RouterApp:
         ]
 
     # --- the proxy -------------------------------------------------------------------------------
-    def _hashes(self, path: str, body: bytes) -> tuple[list[int], dict[str, int] | None]:
-        """The prompt's block hashes and, under kv-events, each synchronised replica's real match."""
-        if self.hasher is None or path not in HASHED_PATHS or not body:
-            return [], None
+    def _prompt_key(self, path: str, body: bytes, adapters: frozenset[str]) -> PromptKey:
+        """The request's model and, for a prompt under prefix-hash or kv-events, its block hashes (rooted
+        at its LoRA adapter when ``model`` is one of ``adapters``) and each synchronised replica's match
+        under kv-events. One JSON parse for all of it."""
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
-            return [], None  # the engine will answer 400
+            return PromptKey()  # the engine will answer 400
+        model = request_model(parsed)
+        lora = model if model in adapters else None
+        if self.hasher is None or path not in HASHED_PATHS:
+            return PromptKey(model)
         try:
             ids = self.hasher.token_ids_for(path, parsed)
             if not ids:
-                return [], None
+                return PromptKey(model)
             salt = parsed.get("cache_salt")
-            return self.hasher.hashes_of(ids, salt), self._kv_matches(ids, salt)
+            return PromptKey(model, self.hasher.hashes_of(ids, salt, lora), self._kv_matches(ids, salt, lora))
         except Exception:  # never fail a request because the router could not hash it
             logger.debug("hashing failed", exc_info=True)
-            return [], None
+            return PromptKey(model)
+
+    def _route(self, model: str | None) -> Route:
+        replicas = {url: (s.ready, s.models) for url, s in self.balancer.backends.items()}
+        return route_for(model, replicas, self.config.model_name)
 
     async def proxy(self, scope, receive, send) -> None:
         """One ``/v1/*`` request. After the body is read, the forwarding runs while another task waits for
@@ -487,13 +555,11 @@ class RouterApp:
         mid-stream), the forwarding is cancelled. Cancelling closes the upstream connection, so the engine
         aborts the request and frees its KV blocks at once instead of generating for nobody."""
         started = time.perf_counter()
-        if self._auth is not None:
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if auth is None or not hmac.compare_digest(auth, self._auth):
-                body = error_json("invalid or missing API key", 401, code="invalid_api_key")
-                await _send_simple(send, 401, body)
-                self.metrics.request_done("none", "401")
-                return
+        if not self._authorized(scope):
+            body = error_json("invalid or missing API key", 401, code="invalid_api_key")
+            await _send_simple(send, 401, body)
+            self.metrics.request_done("none", "401")
+            return
         body = await _read_body(receive)
         if body is None:  # the client left while sending its request: nothing to forward
             self.metrics.request_done("none", CLIENT_DISCONNECT)
@@ -534,23 +600,28 @@ class RouterApp:
         balancer = self.balancer
         path = scope["path"]
         method = scope["method"]
-        hashes: list[int] = []
-        kv_matches: dict[str, int] | None = None
-        if method == "POST" and self.hasher is not None and path in HASHED_PATHS:
+        key = PromptKey()
+        if method == "POST" and body:
+            adapters = balancer.adapter_names()
             # A long prompt, or a request's own template (up to its render bound): keep the loop serving.
-            if len(body) > _TOKENIZE_INLINE_MAX or b"chat_template" in body:
-                hashes, kv_matches = await asyncio.to_thread(self._hashes, path, body)
+            if self.hasher is not None and (len(body) > _TOKENIZE_INLINE_MAX or b"chat_template" in body):
+                key = await asyncio.to_thread(self._prompt_key, path, body, adapters)
             else:
-                hashes, kv_matches = self._hashes(path, body)
+                key = self._prompt_key(path, body, adapters)
+        hashes, kv_matches = key.hashes, key.kv_matches
         target, req_headers = self._upstream_request(scope)
 
         pool = self.upstream
         assert pool is not None, "router not started"
         if not await self._hold_until_ready(send, exchange):
             return
+        route = self._route(key.model)
+        if not await self._admit_route(send, route, key.model, exchange):
+            return
+        only = route.holders if route.kind == ADAPTER else None
         tried = exchange.tried
         last_error = "no ready backend"
-        decision = balancer.choose(hashes, tried, kv_matches)
+        decision = balancer.choose(hashes, tried, kv_matches, only)
         while True:
             if decision is None:
                 exchange.backend, exchange.outcome = "none", "503"
@@ -570,7 +641,7 @@ class RouterApp:
                 try:
                     response = await pool.request(url, method, target, req_headers, body)
                     if response.status == 503 and can_retry:
-                        nxt = balancer.choose(hashes, tried, kv_matches)
+                        nxt = balancer.choose(hashes, tried, kv_matches, only)
                         if nxt is not None:
                             last_error = f"{url}: 503"
                             metrics.retry(url, "status_503")
@@ -585,12 +656,12 @@ class RouterApp:
                     if balancer.set_healthy(url, False):
                         logger.warning("backend %s refused the connection: it leaves the ring", url)
                         self._on_membership_change()
-                    decision = balancer.choose(hashes, tried, kv_matches) if can_retry else None
+                    decision = balancer.choose(hashes, tried, kv_matches, only) if can_retry else None
                     continue
                 except (UpstreamDisconnect, UpstreamProtocolError) as exc:
                     last_error = f"{url}: {exc}"
                     metrics.retry(url, "disconnect")
-                    decision = balancer.choose(hashes, tried, kv_matches) if can_retry else None
+                    decision = balancer.choose(hashes, tried, kv_matches, only) if can_retry else None
                     continue
                 except UpstreamTimeout as exc:
                     exchange.outcome = "504"
@@ -602,6 +673,8 @@ class RouterApp:
                 if 200 <= response.status < 300:
                     balancer.record(url, hashes)
                 metrics.decision(decision.reason)
+                if only is not None:
+                    metrics.adapter_request(key.model or "", "routed")
                 if hashes:
                     metrics.matched_ratio.observe(decision.matched_blocks / len(hashes))
                 await self._stream(send, response, first, url, exchange)
@@ -611,6 +684,23 @@ class RouterApp:
                     response.close()
                 balancer.release(url)
                 gauge.dec()
+
+    async def _admit_route(self, send, route: Route, model: str | None, exchange: Exchange) -> bool:
+        """Answer a request no replica can serve: False once answered (see router/adapters.py)."""
+        if route.kind == NOT_FOUND:
+            exchange.backend, exchange.outcome = "none", "404"
+            self.metrics.model_not_found.inc()
+            message = f"The model `{model}` does not exist."
+            await _send_simple(send, 404, error_json(message, 404, param="model", code="model_not_found"))
+            return False
+        if route.kind == NOT_LOADED:
+            exchange.backend, exchange.outcome = "none", "503"
+            self.metrics.adapter_request(model or "", NOT_LOADED)
+            retry_after = ((b"retry-after", str(ADAPTER_RETRY_AFTER_S).encode()),)
+            message = f"no ready replica serves the adapter `{model}` now"
+            await _send_simple(send, 503, error_json(message, 503), headers=retry_after)
+            return False
+        return True
 
     async def _hold_until_ready(self, send, exchange: Exchange) -> bool:
         """With holding on and no ready replica: wait for one (router/activator.py). False: answered 503."""

@@ -9,17 +9,24 @@ its length). ``"stream": true`` gives one SSE chunk per token, ``token_delay`` s
 usage chunk when ``stream_options.include_usage`` is set, then ``data: [DONE]``; otherwise one JSON body.
 Every answer carries the header ``x-backend: <name>``, and generations a ``"backend"`` field.
 
-Other routes: GET /v1/models (one model, ``name``), /health (status ``health_status``), /metrics (vLLM's
-``num_requests_waiting`` and ``kv_cache_usage_perc`` gauges: ``waiting`` and ``kv_usage``).
+Other routes: GET /v1/models (the base model, ``served_model_name`` or ``name``, then each LoRA adapter
+of ``adapters`` with its ``parent``, in vLLM's shape), /health (status ``health_status``), /metrics (vLLM's
+``num_requests_waiting`` and ``kv_cache_usage_perc`` gauges: ``waiting`` and ``kv_usage``; with
+``enable_lora`` also ``vllm:lora_requests_info`` and ``pagedserve:lora_requests_total``).
+
+LoRA (``enable_lora``, the engine's --enable-lora with runtime updating on): POST /v1/load_lora_adapter
+``{"lora_name", "lora_path"}`` -> 200 text, 400 when the name is loaded already or ``refuse_loads`` is set;
+POST /v1/unload_lora_adapter ``{"lora_name"}`` -> 200, 404 when unknown. A generation whose ``model`` is
+neither ``name`` nor an adapter gets 404 ``model_not_found``; each adapter's requests are counted.
 
 Test hooks, the attributes of `FakeOpenAI`, set in this process or over HTTP with POST /_control (JSON):
 ``fail_503`` (answer the next N generation requests with 503), ``health_status``, ``waiting``,
 ``kv_usage``, ``tokens``, ``token_delay``, ``first_delay`` (seconds before the response starts),
-``api_key`` (401 unless ``Authorization: Bearer <api_key>``) and ``die_after`` (only where the fake has
-its own process: the process exits two tokens into the stream of request N+1, as a crashing server
-would). GET /_requests: the generation requests received (path, query, authorization,
-x-forwarded-for, body), when ``record`` is on; GET /_stats: requests, prompt and completion tokens
-counted; POST /_reset: forget both.
+``adapters``, ``refuse_loads``, ``api_key`` (401 unless ``Authorization: Bearer <api_key>``) and
+``die_after`` (only where the fake has its own process: the process exits two tokens into the stream
+of request N+1, as a crashing server would). GET /_requests: the generation requests received (path,
+query, authorization, x-forwarded-for, body), when ``record`` is on; GET /_stats: requests, prompt and
+completion tokens counted; POST /_reset: forget both.
 
 Run on its own: ``python -m pagedserve.testing.fake_openai --port 9001 --name a [--token-delay 0.005]``.
 """
@@ -35,7 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 JSON = b"application/json"
+TEXT = b"text/plain; charset=utf-8"
 
 
 @dataclass
@@ -92,6 +101,7 @@ class FakeOpenAI:
     """The ASGI app; every field is a test hook (see the module docstring)."""
 
     name: str = "fake"
+    served_model_name: str | None = None  # the base model's id (default: name)
     tokens: int = 4
     token_delay: float = 0.0
     first_delay: float = 0.0
@@ -102,8 +112,14 @@ class FakeOpenAI:
     api_key: str | None = None
     die_after: int | None = None
     record: bool = True
+    enable_lora: bool = False
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> path, as --lora-modules
+    max_loras: int = 1
+    refuse_loads: bool = False
+    lora_requests: dict[str, int] = field(default_factory=dict)  # finished requests per adapter
     received: list[dict[str, Any]] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
+    _running_loras: dict[str, int] = field(default_factory=dict)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -123,8 +139,9 @@ class FakeOpenAI:
         elif path == "/metrics":
             await self._reply(send, 200, self._metrics().encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
-            model = {"id": self.name, "object": "model", "owned_by": "fake"}
-            await self._reply(send, 200, {"object": "list", "data": [model]})
+            await self._reply(send, 200, {"object": "list", "data": self._model_cards()})
+        elif path in LORA_PATHS and self.enable_lora:
+            await self._lora_update(path, body, send)
         elif path == "/_control":
             hooks = json.loads(body or b"{}")
             unknown = sorted(set(hooks) - set(self.__dataclass_fields__))
@@ -146,6 +163,42 @@ class FakeOpenAI:
         else:
             await self._reply(send, 404, _error("not found", 404))
 
+    def _model_cards(self) -> list[dict[str, Any]]:
+        base_name = self.served_model_name or self.name
+        base = {"id": base_name, "object": "model", "owned_by": "fake", "root": base_name, "parent": None}
+        loras = [
+            {"id": lora, "object": "model", "owned_by": "fake", "root": path, "parent": base_name}
+            for lora, path in self.adapters.items()
+        ]
+        return [base, *loras]
+
+    async def _lora_update(self, path: str, body: bytes, send) -> None:
+        """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+        try:
+            request = json.loads(body)
+            lora = str(request["lora_name"])
+        except (ValueError, TypeError, KeyError) as exc:
+            await self._reply(send, 400, _error(f"bad request body: {exc!r}", 400, "invalid_request_error"))
+            return
+        if path == "/v1/unload_lora_adapter":
+            if self.adapters.pop(lora, None) is None:
+                await self._reply(
+                    send, 404, _error(f"The lora adapter '{lora}' cannot be found.", 404, "NotFoundError")
+                )
+                return
+            await self._reply(
+                send, 200, f"Success: LoRA adapter '{lora}' removed successfully.".encode(), TEXT
+            )
+            return
+        if lora in self.adapters or self.refuse_loads:
+            why = "has already been loaded" if lora in self.adapters else "is not a valid PEFT adapter"
+            await self._reply(
+                send, 400, _error(f"The lora adapter '{lora}' {why}.", 400, "invalid_request_error")
+            )
+            return
+        self.adapters[lora] = str(request.get("lora_path", ""))
+        await self._reply(send, 200, f"Success: LoRA adapter '{lora}' added successfully.".encode(), TEXT)
+
     @staticmethod
     async def _lifespan(receive, send) -> None:
         while True:
@@ -157,12 +210,22 @@ class FakeOpenAI:
                 return
 
     def _metrics(self) -> str:
-        return (
+        text = (
             "# TYPE vllm:num_requests_waiting gauge\n"
             f'vllm:num_requests_waiting{{model_name="{self.name}"}} {self.waiting}\n'
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f'vllm:kv_cache_usage_perc{{model_name="{self.name}"}} {self.kv_usage}\n'
         )
+        if not self.enable_lora:
+            return text
+        running = ",".join(sorted(lora for lora, n in self._running_loras.items() if n > 0))
+        info = f'max_lora="{self.max_loras}",running_lora_adapters="{running}",waiting_lora_adapters=""'
+        text += f"# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{{info}}} {time.time()}\n"
+        text += "# TYPE pagedserve:lora_requests_total counter\n"
+        for lora, count in sorted(self.lora_requests.items()):
+            labels = f'model_name="{self.name}",engine="0",lora_name="{lora}"'
+            text += f"pagedserve:lora_requests_total{{{labels}}} {count}\n"
+        return text
 
     async def _reply(self, send, status: int, payload: Any, content_type: bytes = JSON) -> None:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -197,18 +260,33 @@ class FakeOpenAI:
         if self.record:
             self._record(scope, path, body)
         try:
-            gen = Generation.parse(path, json.loads(body), self.tokens)
+            request = json.loads(body)
+            gen = Generation.parse(path, request, self.tokens)
         except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             await self._reply(send, 400, _error(f"bad request body: {exc}", 400, "invalid_request_error"))
             return
+        model = request.get("model")
+        lora = model if model in self.adapters else None
+        if self.enable_lora and model not in (None, self.served_model_name or self.name) and lora is None:
+            error = _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
+            error["error"].update(param="model", code="model_not_found")
+            await self._reply(send, 404, error)
+            return
         self.stats.requests += 1
         index = self.stats.requests
-        if self.first_delay:
-            await asyncio.sleep(self.first_delay)
-        if gen.stream:
-            await self._stream(gen, index, send)
-        else:
-            await self._reply(send, 200, self._completion(gen, index))
+        if lora is not None:
+            self._running_loras[lora] = self._running_loras.get(lora, 0) + 1
+        try:
+            if self.first_delay:
+                await asyncio.sleep(self.first_delay)
+            if gen.stream:
+                await self._stream(gen, index, send)
+            else:
+                await self._reply(send, 200, self._completion(gen, index))
+        finally:
+            if lora is not None:
+                self._running_loras[lora] -= 1
+                self.lora_requests[lora] = self.lora_requests.get(lora, 0) + 1
         self.stats.prompt_tokens += gen.prompt_tokens
         self.stats.completion_tokens += gen.completion_tokens
 
@@ -277,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--die-after", type=int, default=None, help="exit mid-stream in request N+1")
     p.add_argument("--api-key", default=None)
     p.add_argument("--no-record", action="store_true", help="keep no request bodies (long benchmarks)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, loadable at runtime")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters at start-up")
     a = p.parse_args(argv)
     app = FakeOpenAI(
         name=a.name,
@@ -285,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         die_after=a.die_after,
         api_key=a.api_key,
         record=not a.no_record,
+        enable_lora=a.enable_lora,
+        adapters=dict(module.split("=", 1) for module in a.lora_modules),
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False, lifespan="on")
 

@@ -4,8 +4,8 @@
 Emulator gaps worked around here: resources (v1/namespaces included, or kopf never starts watching) are
 declared up front; there is no garbage collection, PUT, admission, or separate subresource storage (a
 PATCH of ``.../scale`` or ``.../status`` patches the object itself, with the same effect on spec.replicas
-and status as the API server's). Listing namespaces fails inside kmock 0.8, so the operator runs
-cluster-wide here (the --namespace mode differs only in kopf's watch URLs).
+and status as the API server's), and lists ignore labelSelector. Listing namespaces fails inside kmock
+0.8, so the operator runs cluster-wide here (the --namespace mode differs only in kopf's watch URLs).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 RESOURCES = {
     "v1/namespaces": dict(kind="Namespace", namespaced=False),
     "v1/events": dict(kind="Event", namespaced=True),
+    "v1/pods": dict(kind="Pod", namespaced=True),  # the engine pods the operator loads adapters on
     "v1/services": dict(kind="Service", namespaced=True),
     "v1/serviceaccounts": dict(kind="ServiceAccount", namespaced=True),
     "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True),

@@ -12,6 +12,8 @@ from pagedserve.testing.helm import CHART
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 # The selector variable of each dashboard besides the namespace.
 SELECTOR = {"pagedserve-engine": "model_name", "pagedserve-router": "modeldeployment"}
+# vLLM's info metrics carry no model_name label.
+INFO_METRICS = ("cache_config_info", "lora_requests_info")
 
 
 def load(path):
@@ -55,7 +57,20 @@ def test_every_query_is_templated(path) -> None:
         for target in panel.get("targets", []):
             expr = target["expr"]
             assert 'namespace=~"$namespace"' in expr, (panel["title"], expr)
-            if "cache_config_info" not in expr:  # vLLM's info metric carries no model_name
+            if not any(info in expr for info in INFO_METRICS):
                 assert f'{SELECTOR[path.stem]}=~"${SELECTOR[path.stem]}"' in expr, (panel["title"], expr)
             windows = re.findall(r"\[([^\]]+)\]", expr)
             assert all(w == "$__rate_interval" for w in windows), (panel["title"], expr)
+
+
+def test_engine_dashboard_has_per_adapter_panels() -> None:
+    """LoRA adapters (spec.adapters): requests per second by adapter, and each replica's running and
+    waiting adapters (the live metrics are checked in tests/monitoring, scraped from a fake engine)."""
+    board = load(CHART / "dashboards" / "pagedserve-engine.json")
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in board["panels"] if p["type"] != "row"}
+    per_adapter = [
+        title for title, found in exprs.items() if any("pagedserve:lora_requests_total" in e for e in found)
+    ]
+    assert per_adapter, "no panel of pagedserve:lora_requests_total"
+    assert any("by (model_name, lora_name)" in e for e in exprs[per_adapter[0]])
+    assert any("vllm:lora_requests_info" in e for found in exprs.values() for e in found)

@@ -5,6 +5,10 @@ every alert must parse, and every panel's query (and every variable's selector) 
 
 Grafana's variables are substituted as Grafana would with "All" selected (`.*`), and `$__rate_interval`
 with a window that fits a short run (1m at a 1 s scrape interval).
+
+The LoRA panels' metrics (`vllm:lora_requests_info`, `pagedserve:lora_requests_total`) come from a fake
+engine with adapters (pagedserve/testing/fake_openai.py), scraped as a second target of the engine job:
+the engine here serves no adapters.
 """
 
 from __future__ import annotations
@@ -128,8 +132,10 @@ def drive_load(base: str, model: str, seconds: float) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def prometheus() -> Iterator[str]:
+    from pagedserve.testing.fake_openai import FakeOpenAI
     from pagedserve.testing.net import free_port
     from pagedserve.testing.processes import ServerProcess, router_process, serve_process
+    from pagedserve.testing.server_thread import ServerThread
 
     if MISSING:
         pytest.skip(f"not built yet: {', '.join(MISSING)}")
@@ -146,10 +152,16 @@ def prometheus() -> Iterator[str]:
         router = router_process(
             tmpdir / "router.log", [engine.url], "--health-interval", "0.5", lifetime_s=LIFETIME_S
         )
+        # Adapters: a fake engine, started (and stopped) with the other processes below.
+        lora = FakeOpenAI(
+            name="lora-engine", enable_lora=True, adapters={"sql": "/adapters/sql"}, max_loras=2
+        )
+        lora_engine = ServerThread(lora, port=free_port())
+        engine_targets = [f"127.0.0.1:{engine.port}", f"127.0.0.1:{lora_engine.port}"]
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [
-                {"job_name": "engine", "static_configs": [{"targets": [f"127.0.0.1:{engine.port}"]}]},
+                {"job_name": "engine", "static_configs": [{"targets": engine_targets}]},
                 {"job_name": "router", "static_configs": [{"targets": [f"127.0.0.1:{router.port}"]}]},
             ],
         }
@@ -166,6 +178,7 @@ def prometheus() -> Iterator[str]:
             try:
                 for proc in procs.values():
                     running.enter_context(proc)
+                running.enter_context(lora_engine)
                 prometheus.wait_ready(60)
                 engine.wait_ready(STARTUP_S)
                 router.wait_ready(60)
@@ -173,6 +186,9 @@ def prometheus() -> Iterator[str]:
                 model = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"][0]["id"]
                 statuses = drive_load(router.url, model, seconds=20)
                 assert statuses.get(200, 0) >= 10, statuses
+                for i in range(4):  # requests for an adapter: pagedserve:lora_requests_total{lora_name="sql"}
+                    body = {"model": "sql", "prompt": f"hello {i}", "max_tokens": 2}
+                    assert httpx.post(f"{lora_engine.url}/v1/completions", json=body).status_code == 200
                 for proc in procs.values():
                     proc.check_alive()
                 time.sleep(3)  # a few more scrapes after the last request

@@ -43,3 +43,14 @@ def design_example(**metadata: Any) -> dict[str, Any]:
     obj = copy.deepcopy(_DESIGN_EXAMPLE)
     obj["metadata"].update(metadata)
     return obj
+
+
+# LoRA adapters of every url kind, and the LoRA engine fields (spec fields, for each test's md()).
+LORA_SPEC: dict[str, Any] = {
+    "engine": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8},
+    "adapters": [
+        {"name": "sql", "url": "hf://acme/llama-sql-lora"},
+        {"name": "legal", "url": "pvc://lora-claim/legal/v2"},
+        {"name": "support", "url": "/opt/adapters/support"},
+    ],
+}

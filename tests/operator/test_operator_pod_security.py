@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_examples import design_example
+from operator_examples import LORA_SPEC, design_example
 from pagedserve.operator import render
 from pagedserve.operator.resources import ENGINE_WRITABLE_ENV, HF_HOME, RUN_AS_USER, WRITABLE_ENV
 
@@ -35,6 +35,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "cpu-pvc-cache": md(resources={"gpus": 0}, modelCache={"size": "10Gi"}),
     "pvc-model": md(model="pvc://weights/llama", router={"replicas": 1}),
     "design-example": design_example(uid=UID),
+    "lora-adapters": md(**LORA_SPEC),
 }
 
 

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import pytest
-from operator_examples import design_example
+from operator_examples import LORA_SPEC, design_example
 from pagedserve.operator import render
 from pagedserve.operator.resources import HASH_ANNOTATION, spec_hash
 from pydantic import ValidationError
@@ -49,6 +49,7 @@ SPECS: dict[str, dict[str, Any]] = {
         autoscaling={"minReplicas": 0, "maxReplicas": 4},
         scaleFromZero={"scaleDownDelaySeconds": 120, "maxHeldRequests": 50},
     ),
+    "lora-adapters": md(**LORA_SPEC),
     "extra-args": md(
         engine={
             "extraArgs": ["--enforce-eager", "--seed", "7"],

@@ -70,3 +70,42 @@ def test_hooks_over_http(fake):
     app.health_status = 503
     assert client.get("/health").status_code == 503
     assert client.get("/nope").status_code == 404
+
+
+def test_lora_adapters_follow_the_engine_contract():
+    """vLLM's HTTP contract for adapters, as pagedserve's engine serves it (the router and operator tests
+    rely on the fake keeping to it)."""
+    app = FakeOpenAI(name="pod-0", served_model_name="base", enable_lora=True, adapters={"sql": "/a/sql"})
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=10) as client:
+        cards = client.get("/v1/models").json()["data"]
+        assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
+            ("base", "base", None),
+            ("sql", "/a/sql", "base"),
+        ]
+        load = {"lora_name": "fr", "lora_path": "acme/fr"}
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 200
+        assert (
+            client.post("/v1/load_lora_adapter", json=load).json()["error"]["code"] == 400
+        )  # already loaded
+        app.refuse_loads = True
+        assert (
+            client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code
+            == 400
+        )
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "fr"}).status_code == 200
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "fr"}).status_code == 404
+        for model in ("sql", "sql", "base"):
+            assert client.post("/v1/completions", json={"model": model, "prompt": "hi"}).status_code == 200
+        unknown = client.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        metrics = client.get("/metrics").text
+        assert 'pagedserve:lora_requests_total{model_name="pod-0",engine="0",lora_name="sql"} 2' in metrics
+        assert (
+            'vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}'
+            in metrics
+        )
+    plain = FakeOpenAI(name="m")  # without --enable-lora: no adapter routes, any model name
+    with ServerThread(plain) as server, httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 404
+        assert client.post("/v1/completions", json={"model": "nope", "prompt": "hi"}).status_code == 200
+        assert "lora" not in client.get("/metrics").text
