@@ -56,9 +56,8 @@ class EngineCore:
             sliding_window=uniform_sliding_window(self.model.attention_layers()),
             enable_kv_events=config.enable_kv_events,
         )
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.batched_tokens, config.max_loras if self.lora is not None else 0
-        )
+        max_loras = config.max_loras if self.lora is not None else 0
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras)
         # finished requests per adapter name: pagedserve:lora_requests_total
         self.lora_requests_finished: dict[str, int] = {}
         self._check_unloaded = False  # an adapter was unloaded: fail the requests still waiting for it

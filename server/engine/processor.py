@@ -100,9 +100,6 @@ class Processor:
         """The adapter no new request may name; KeyError when none has that name."""
         return self.lora_requests.pop(lora_name)
 
-    def next_lora_int_id(self) -> int:
-        return max((lora.lora_int_id for lora in self.lora_requests.values()), default=0) + 1
-
     def _check_lora(self, lora: LoRARequest | None) -> None:
         if lora is None:
             return
