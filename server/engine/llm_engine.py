@@ -60,8 +60,8 @@ class LLMEngine:
             self.core.add_request(child)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        self.add(self.process_inputs(request_id, prompt, params, arrival_time))
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        self.add(self.process_inputs(request_id, prompt, params, arrival_time, lora_request))
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
