@@ -14,7 +14,12 @@ from pagedserve.testing.lora import ALL_LINEAR, ATTENTION, QV, make_peft_adapter
 MAX_TOKENS = 8
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 # (name, rank, target modules, seed): several ranks and target sets, q/v alone up to every projection
-ADAPTERS = [("qv4", 4, QV, 1), ("attn8", 8, ATTENTION, 2), ("all16", 16, ALL_LINEAR, 3), ("all8", 8, ALL_LINEAR, 4)]
+ADAPTERS = [
+    ("qv4", 4, QV, 1),
+    ("attn8", 8, ATTENTION, 2),
+    ("all16", 16, ALL_LINEAR, 3),
+    ("all8", 8, ALL_LINEAR, 4),
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 

@@ -125,9 +125,10 @@ def test_bad_adapter_is_refused_with_its_reason(
 
 
 def test_not_a_peft_folder(lora_llm: LLM, tmp_path: Path) -> None:
-    with pytest.raises(LoRALoadError, match="no adapter_config.json"):
+    with pytest.raises(LoRALoadError, match=r"no adapter_config\.json"):
         lora_llm.add_lora(LoRARequest("empty", 98, str(tmp_path)))
-    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}')
+    config = '{"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}'
+    (tmp_path / "adapter_config.json").write_text(config)
     with pytest.raises(LoRALoadError, match="adapter_model"):
         lora_llm.add_lora(LoRARequest("empty", 98, str(tmp_path)))
 
