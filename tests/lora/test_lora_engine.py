@@ -5,13 +5,16 @@ bad adapters are refused with their reason, and nothing leaks."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import GREEDY, LoRAFixture, copy_adapter, token_prompts
+from pagedserve.server.api.metrics import EngineStatsCollector
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.lora.request import LoRALoadError, LoRAModulePath
 from pagedserve.server.request import Request
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedserve import LLM, EngineConfig, LoRARequest, SamplingParams
 
@@ -66,6 +69,14 @@ def test_scheduler_never_runs_more_adapters_than_max_loras(lora_llm: LLM, lora_s
     for i, name in enumerate(["qv4", "attn8", "all16", "all8"]):
         engine.add_request(f"cap-{i}", token_prompts(lora_setup)[0], params,
                            lora_request=lora_setup.adapters[name].request)
+    engine.step()
+    # vllm:lora_requests_info names the adapters running and those waiting for a slot
+    collector = EngineStatsCollector(SimpleNamespace(stats=engine.core.stats), ["m", "0"], {})
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'running_lora_adapters="attn8,qv4"' in text and 'waiting_lora_adapters="all16,all8"' in text
+    assert 'max_lora="2"' in text
     seen = 0
     while engine.has_unfinished():
         engine.step()
@@ -74,6 +85,8 @@ def test_scheduler_never_runs_more_adapters_than_max_loras(lora_llm: LLM, lora_s
         seen = max(seen, len(running))
     assert seen == 2
     assert_no_leak(lora_llm)
+    finished = engine.core.stats().lora.requests_finished
+    assert all(finished[name] >= 1 for name in ("qv4", "attn8", "all16", "all8"))
 
 
 def test_prefix_cache_is_per_adapter() -> None:
@@ -164,3 +177,20 @@ def test_config_checks() -> None:
     config = EngineConfig(enable_lora=True, max_loras=2, lora_modules=["a=/x", '{"name": "b", "path": "/y"}'])
     assert config.max_cpu_loras == 2
     assert config.lora_modules == [LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y")]
+
+
+async def test_adapter_endpoints_need_the_env_switch(lora_llm: LLM) -> None:
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING there is no load/unload route (vLLM's)."""
+    import httpx
+    from pagedserve.server.api.app import ServerSettings, build_app
+    from pagedserve.server.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(lora_llm.engine.core, lora_llm.engine.tokenizer, lora_llm.engine.processor)
+    for allowed, status in [(False, 404), (True, 400)]:
+        app = build_app(engine, ServerSettings(access_log=False, allow_runtime_lora_updating=allowed))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"lora_name": "x", "lora_path": "/no/such/folder"}
+            response = await client.post("/v1/load_lora_adapter", json=body)
+        assert response.status_code == status, response.text
+    assert "x" not in lora_llm.engine.processor.lora_requests
