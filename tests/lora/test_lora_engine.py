@@ -66,6 +66,9 @@ def test_mixed_batch_of_base_and_four_adapters_with_two_slots(lora_llm: LLM, lor
 def test_scheduler_never_runs_more_adapters_than_max_loras(lora_llm: LLM, lora_setup: LoRAFixture) -> None:
     engine = lora_llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for adapter in lora_setup.adapters.values():
+        if adapter.request not in lora_llm.list_loras():
+            lora_llm.add_lora(adapter.request)
     for i, name in enumerate(["qv4", "attn8", "all16", "all8"]):
         engine.add_request(f"cap-{i}", token_prompts(lora_setup)[0], params,
                            lora_request=lora_setup.adapters[name].request)
