@@ -106,9 +106,14 @@ class Processor:
         if not self.enable_lora:
             raise InvalidRequestError("LoRA is not enabled: start the engine with --enable-lora.",
                                       param="model")
-        if self.lora_requests.get(lora.lora_name) != lora:
+        known = self.lora_requests.get(lora.lora_name)
+        if known is None:
             raise InvalidRequestError(
                 f"The model `{lora.lora_name}` does not exist.", param="model", code="model_not_found"
+            )
+        if known != lora:
+            raise InvalidRequestError(
+                f"LoRA adapter `{lora.lora_name}` is loaded as {known}, not as {lora}.", param="model"
             )
 
     def process(

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import GREEDY, LoRAFixture, copy_adapter, token_prompts
+from conftest import GREEDY, MAX_TOKENS, LoRAFixture, copy_adapter, token_prompts
 from pagedserve.server.api.metrics import EngineStatsCollector
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.engine.output import RequestMetrics
@@ -197,3 +197,22 @@ async def test_adapter_endpoints_need_the_env_switch(lora_llm: LLM) -> None:
             response = await client.post("/v1/load_lora_adapter", json=body)
         assert response.status_code == status, response.text
     assert "x" not in lora_llm.engine.processor.lora_requests
+
+
+def test_bin_weights_and_rslora_scaling(lora_llm: LLM, lora_setup: LoRAFixture, tmp_path: Path) -> None:
+    """adapter_model.bin instead of .safetensors, and rsLoRA's alpha / sqrt(r) scaling, as peft reads them."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pagedserve.testing.lora import peft_greedy
+
+    path = copy_adapter(lora_setup.adapters["attn8"].request.lora_path, tmp_path / "rs", use_rslora=True)
+    weights = path / "adapter_model.safetensors"
+    torch.save(load_file(str(weights)), path / "adapter_model.bin")
+    weights.unlink()
+    expected = peft_greedy(lora_setup.base_dir, path, lora_setup.prompt_ids, MAX_TOKENS)
+    assert expected != lora_setup.adapters["attn8"].expected  # sqrt(8) != 8: the scaling differs
+    lora = LoRARequest("rslora-bin", 60, str(path))
+    assert tokens(lora_llm.generate(token_prompts(lora_setup), GREEDY, lora_request=lora)) == expected
+    lora_llm.remove_lora("rslora-bin")
+    assert_no_leak(lora_llm)
