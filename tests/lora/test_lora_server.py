@@ -83,6 +83,15 @@ def test_completion_with_adapter_equals_hf_peft(
         assert body["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+def test_chat_names_the_adapter(server: ServerProcess) -> None:
+    body = {"model": "attn8", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "attn8"
+    base = post(server, "/v1/chat/completions", {**body, "model": BASE})
+    assert base.json()["model"] == BASE
+
+
 def test_unknown_model_is_404(server: ServerProcess) -> None:
     response = complete(server, "no-such-adapter", [1, 2, 3])
     assert_error(response, 404, "no-such-adapter")
