@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "pagedserve.server.llm",
+    "LoRARequest": "pagedserve.server.lora.request",
     "SamplingParams": "pagedserve.server.sampling_params",
     "StructuredOutputsParams": "pagedserve.server.sampling_params",
     "RequestOutput": "pagedserve.server.engine.output",
@@ -24,6 +25,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from pagedserve.server.engine.output import CompletionOutput, RequestOutput
     from pagedserve.server.llm import LLM
     from pagedserve.server.loader.default_model import default_model
+    from pagedserve.server.lora.request import LoRARequest
     from pagedserve.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagedserve.server.lora.request import LoRAModulePath
 from pagedserve.server.spec_decode.config import SpeculativeConfig
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in fp32
@@ -59,9 +60,18 @@ class EngineConfig:
     # Weight quantization applied at load (server/layers/quantization/): None (the checkpoint's dtype)
     # or "int8" (weight-only, per output channel).
     quantization: str | None = None
+    # Many LoRA adapters on the base model (server/lora/): max_loras device slots (distinct adapters per
+    # step), adapters up to max_lora_rank, a CPU cache of max_cpu_loras (None: max_loras) read adapters,
+    # and adapters registered at start (LoRAModulePath, or its "name=path" / JSON text).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[LoRAModulePath] | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_lora()
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -105,6 +115,23 @@ class EngineConfig:
                 "generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                 f"got {self.generation_config!r}"
             )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        modules = [LoRAModulePath.parse(m) for m in self.lora_modules or []]
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be unique, got {names}")
+        self.lora_modules = modules or None
 
     @property
     def torch_device(self) -> torch.device:

@@ -11,6 +11,7 @@ from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.llm_engine import LLMEngine
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.processor import PromptInput
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from tqdm.auto import tqdm
 
@@ -34,14 +35,18 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """All prompts are queued at once and run to completion with continuous batching.
 
         Returns one RequestOutput per prompt, in input order. Raises ValueError (InvalidRequestError,
         naming the field) for an invalid prompt or parameter before anything runs. Each request asks
-        for FINAL_ONLY outputs: one RequestOutput at its end, nothing built per step.
+        for FINAL_ONLY outputs: one RequestOutput at its end, nothing built per step. ``lora_request``:
+        one adapter for every prompt or one per prompt (None: the base model), loaded on first use
+        (vLLM's; needs ``enable_lora``); a bad adapter raises LoRALoadError (a ValueError).
         """
         prompt_list = _as_prompt_list(prompts)
+        loras = self._lora_requests(lora_request, len(prompt_list))
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -55,12 +60,36 @@ class LLM:
             if id(params) not in final_only:
                 final_only[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         parents = [
-            self.engine.process_inputs(str(next(self._ids)), prompt, final_only[id(params)])
-            for prompt, params in zip(prompt_list, params_list, strict=False)
+            self.engine.process_inputs(str(next(self._ids)), prompt, final_only[id(params)], None, lora)
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=False)
         ]
         for parent in parents:
             self.engine.add(parent)
         return self._run([p.request_id for p in parents], use_tqdm)
+
+    def _lora_requests(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; the adapters not yet known are loaded now, as vLLM does."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        else:
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise ValueError("lora_request must be one per prompt")
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            if lora.lora_name not in self.engine.processor.lora_requests:
+                self.engine.add_lora(lora)
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def chat(
         self,
@@ -68,6 +97,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptInput] = []
@@ -78,7 +108,7 @@ class LLM:
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
                 token_ids = token_ids["input_ids"]
             prompts.append({"prompt_token_ids": list(token_ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class Request:
     # params.bad_words as token sequences (server/engine/processor.py tokenizes them)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     cache_salt: str | None = None  # enters the first block's hash: only the same salt shares KV blocks
+    # The adapter it runs with (server/lora/), None: the base model; its name enters the first block's hash
+    lora_request: LoRARequest | None = None
     # Logprobs of prompt tokens 1.. as the runner computes them (None: not asked for). Only the first of
     # n samples asks; computing them needs every prompt position, so this request skips prefix-cache hits.
     prompt_logprobs: list[SampledToken] | None = None
@@ -63,6 +66,11 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float = 1.0
     spec_cooldown: int = 0
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,8 @@ engine thread and, on shutdown, drains within the grace period (server/api/grace
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -31,12 +33,14 @@ from pagedserve.server.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ModelPermission,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     unknown_field_message,
 )
@@ -44,10 +48,18 @@ from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
 from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
 from pagedserve.server.engine.protocol import EngineClient
+from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from pagedserve import __version__
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating_allowed() -> bool:
+    """vLLM's switch for the adapter endpoints: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is 1 or true."""
+    return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 @dataclass
@@ -61,6 +73,8 @@ class ServerSettings:
     chat_template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (server/api/tool_parsers/)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's env switch, read at start)
+    allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -140,6 +154,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             kv_cache_dtype=engine.config.kv_cache_dtype,
             speculative_config=asdict(spec) if (spec := engine.config.speculative_config) else None,
             architectures=supported_architectures(),
+            enable_lora=bool(getattr(engine.config, "enable_lora", False)),
+            max_loras=engine.config.max_loras if getattr(engine.config, "enable_lora", False) else None,
         )
 
     @app.get(
@@ -165,14 +181,28 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             permission=[ModelPermission(id=f"modelperm-{name}")],
         )
 
+    def lora_card(lora: LoRARequest) -> ModelCard:
+        """vLLM's card of an adapter: its path as ``root``, the base served name as ``parent``."""
+        return ModelCard(
+            id=lora.lora_name,
+            root=lora.lora_path,
+            parent=model_names[0],
+            max_model_len=engine.max_model_len,
+            permission=[ModelPermission(id=f"modelperm-{lora.lora_name}")],
+        )
+
     @app.get("/v1/models", response_model=ModelList, responses=_errors(*auth_errors))
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in model_names])
+        cards = [model_card(name) for name in model_names]
+        return ModelList(data=cards + [lora_card(lora) for lora in engine.list_loras()])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(*auth_errors, 404))
     async def retrieve_model(model_id: str) -> ModelCard:
-        chat.check_model(model_id)
-        return model_card(model_id)
+        lora = chat.check_model(model_id)
+        return model_card(model_id) if lora is None else lora_card(lora)
+
+    if settings.allow_runtime_lora_updating:
+        add_lora_routes(app, engine, model_names, auth_errors)
 
     @app.post(
         "/v1/completions",
@@ -211,3 +241,42 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware)  # outermost: it logs the 401s too
     return app
+
+
+def add_lora_routes(
+    app: FastAPI, engine: EngineClient, model_names: list[str], auth_errors: tuple[int, ...]
+) -> None:
+    """vLLM's runtime adapter endpoints (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING). Requests in flight
+    are never disturbed: a load only adds a name, an unload only stops new requests naming it."""
+    # Ids are never reused while the server runs: a slot still held by a running request's adapter is
+    # never mistaken for a newer adapter's.
+    first_id = max((lora.lora_int_id for lora in engine.list_loras()), default=0) + 1
+    lora_ids = itertools.count(first_id)
+
+    @app.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=_errors(400, *auth_errors),
+    )
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        if request.lora_name in model_names:
+            return error_response(f"The lora adapter '{request.lora_name}' is the base model's name.", 400,
+                                  param="lora_name")
+        try:
+            await engine.add_lora(LoRARequest(request.lora_name, next(lora_ids), request.lora_path))
+        except LoRALoadError as exc:
+            return error_response(str(exc), 400, param="lora_path")
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=_errors(*auth_errors, 404),
+    )
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        try:
+            await engine.remove_lora(request.lora_name)
+        except KeyError:
+            return error_response(f"The lora adapter '{request.lora_name}' cannot be found.", 404,
+                                  param="lora_name", code="model_not_found")
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")

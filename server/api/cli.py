@@ -183,6 +183,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization", "-q", default=None,
         help="quantize the weights at load: int8 (weight-only, per output channel); default none",
     )  # fmt: skip
+    engine.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT folders or HF ids) on the base model: a request's model names one; "
+        "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, POST /v1/load_lora_adapter {lora_name, lora_path} "
+        "and /v1/unload_lora_adapter {lora_name} change them at run time",
+    )
+    engine.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch")
+    engine.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank served")
+    engine.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in CPU memory (default --max-loras)"
+    )
+    engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ..., "base_model_name"}',
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
@@ -211,6 +230,11 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         calculate_kv_scales=args.calculate_kv_scales,
         speculative_config=args.speculative_config,
         quantization=args.quantization,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=args.lora_modules,
     )
 
 

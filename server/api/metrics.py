@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from pagedserve.server.engine.core_output import LoRAStats
     from pagedserve.server.engine.output import RequestOutput
     from pagedserve.server.engine.protocol import EngineClient
     from pagedserve.server.spec_decode.metrics import SpecDecodingStats
@@ -157,12 +158,33 @@ class EngineStatsCollector:
         )
         if s.spec_decoding is not None:
             yield from self._spec_decoding(s.spec_decoding)
+        if s.lora is not None:
+            yield from self._lora(s.lora)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self.cache_info)
         )
         info.add_metric(list(self.cache_info.values()), 1.0)
         yield info
 
+
+    def _lora(self, lora: LoRAStats) -> Iterator[Metric]:
+        """vLLM's vllm:lora_requests_info (the adapters running and waiting, in labels; the value is the
+        time of the snapshot, as vLLM's) and the finished requests of each adapter."""
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([",".join(lora.running), ",".join(lora.waiting), str(lora.max_lora)], time.time())
+        yield info
+        per_adapter = CounterMetricFamily(
+            "pagedserve:lora_requests",
+            "Finished requests (stopped, cut at length or aborted) per LoRA adapter.",
+            labels=[*LABELS, "lora_name"],
+        )
+        for name, count in sorted(lora.requests_finished.items()):
+            per_adapter.add_metric([*self.label_values, name], count)
+        yield per_adapter
 
     def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py SpecDecodingProm)."""

@@ -669,6 +669,20 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/load_lora_adapter body: a name for the API's ``model`` and a PEFT folder or HF id."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM accepts it; the name alone decides here
+
+
 class VersionResponse(OpenAIBaseModel):
     version: str
     backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"
@@ -677,3 +691,5 @@ class VersionResponse(OpenAIBaseModel):
     # the speculative decoding in force (server/spec_decode/config.py, vLLM's keys), None for none
     speculative_config: dict[str, Any] | None = None
     architectures: list[str] = []  # the model architectures this server can load (server/models/registry.py)
+    enable_lora: bool = False  # LoRA adapters can be served (--enable-lora)
+    max_loras: int | None = None  # adapters in one batch (--max-loras); None without LoRA

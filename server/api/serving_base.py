@@ -37,6 +37,7 @@ from pagedserve.server.api.protocol import (
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -62,6 +63,7 @@ class ResponseForm:
     choices: Callable[[list[RequestOutput]], list[dict[str, Any]]]  # folded outputs -> the body's choices
     opening: list[dict[str, Any]] | None = None  # choices streamed before any delta (chat's role)
     body_fields: Callable[[list[RequestOutput]], dict[str, Any]] | None = None  # beside the choices
+    model: str | None = None  # the response's model (a LoRA adapter's name); None: the base model's
 
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
@@ -174,9 +176,18 @@ class OpenAIServing:
 
     # ---- checks -------------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, None for the base model; 404 for any other name."""
+        if model is None or model in self.model_names:
+            return None
+        for lora in self.engine.list_loras():
+            if lora.lora_name == model:
+                return lora
+        raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """What a response's ``model`` says: the adapter's name, or the base model's (vLLM's)."""
+        return lora.lora_name if lora is not None else self.model_name
 
     def check_request(self, request: Any) -> None:
         """What only the OpenAI API has; the engine checks the prompt, limits and parameters itself."""
@@ -304,16 +315,23 @@ class OpenAIServing:
     # ---- the engine streams -------------------------------------------------------------------------
 
     async def add_requests(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, prompt_param: str, request: Any
+        self,
+        prompts: list[dict[str, Any]],
+        params: SamplingParams,
+        prompt_param: str,
+        request: Any,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt (a prompt dict, with the request's ``cache_salt`` added), all
-        checked before any response starts; a refusal is a 400 (and closes, so aborts, the requests of
-        this call already added)."""
+        checked before any response starts, each run with ``lora_request`` (None: the base model); a
+        refusal is a 400 (and closes, so aborts, the requests of this call already added)."""
         streams: list[RequestStream] = []
         salt = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
         try:
             for prompt in prompts:
-                streams.append(await self.engine.add_request(random_id(), {**prompt, **salt}, params))
+                streams.append(
+                    await self.engine.add_request(random_id(), {**prompt, **salt}, params, lora_request)
+                )
         except InvalidRequestError as exc:
             for stream in streams:
                 await stream.aclose()
@@ -370,7 +388,8 @@ class OpenAIServing:
         request_id = f"{form.id_prefix}-{random_id()}"
         created = int(time.time())
         headers = {"X-Request-Id": request_id}
-        envelope = {"id": request_id, "object": form.object, "created": created, "model": self.model_name}
+        model = form.model or self.model_name
+        envelope = {"id": request_id, "object": form.object, "created": created, "model": model}
         if form.stream:
             base = {**envelope, "object": form.chunk_object}
             chunks = self.stream_chunks(

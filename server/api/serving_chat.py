@@ -34,7 +34,7 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_request(request)
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", 400, param="top_logprobs")
@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         if tool_parser is not None and tool_parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads the call markers
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        (engine_stream,) = await self.add_requests([prompt], params, "messages", request)
+        (engine_stream,) = await self.add_requests([prompt], params, "messages", request, lora)
 
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
         # As OpenAI streams: content "" opens a text reply, null one that may be tool calls (the stream
@@ -72,6 +72,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=lambda finals: self._choices(finals[0], request, tool_parser),
             opening=opening,
             body_fields=self._prompt_logprobs if request.prompt_logprobs is not None else None,
+            model=self.response_model(lora),
         )
         return await self.respond(
             raw_request, [self.observed(engine_stream, tracker)], form, request.stream_options

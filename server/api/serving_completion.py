@@ -41,7 +41,7 @@ class _Prompt:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_request(request)
         if request.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix")
@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=request.logprobs if request.echo else None,
         )
         engine_streams = await self.add_requests(
-            [p.engine_input() for p in prompts], params, "prompt", request
+            [p.engine_input() for p in prompts], params, "prompt", request, lora
         )
         streams = [
             self.observed(s, self.metrics.track(len(s.prompt_token_ids), s.max_tokens, request.n))
@@ -67,6 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt_tokens=sum(len(s.prompt_token_ids) for s in engine_streams),
             chunk_choice=self._chunk_choice(prompts, request),
             choices=lambda finals: self._choices(finals, prompts, request),
+            model=self.response_model(lora),
         )
         return await self.respond(raw_request, streams, form, request.stream_options)
 

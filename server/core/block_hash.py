@@ -26,12 +26,19 @@ def seed_hash(model_seed: str) -> bytes:
     return hashlib.blake2b(model_seed.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-def salted_root(root_hash: bytes, cache_salt: str | None) -> bytes:
-    """The parent of a request's first block: the model's root, mixed with the salt when there is one."""
-    if not cache_salt:
-        return root_hash
-    data = root_hash + cache_salt.encode("utf-8", "surrogatepass")
-    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+def salted_root(root_hash: bytes, cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """The parent of a request's first block: the model's root, mixed with the salt when there is one,
+    then with the LoRA adapter's name when the request runs one (vLLM's extra keys carry the LoRA id):
+    a block computed under one adapter is never reused by another or by the base model. The adapter is
+    mixed in by a hash of its own kind (``person``), so no salt can ever stand for an adapter."""
+    root = root_hash
+    if cache_salt:
+        data = root + cache_salt.encode("utf-8", "surrogatepass")
+        root = hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+    if lora_name:
+        data = root + lora_name.encode("utf-8", "surrogatepass")
+        root = hashlib.blake2b(data, digest_size=DIGEST_SIZE, person=b"lora").digest()
+    return root
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, root_hash: bytes) -> list[bytes]:

@@ -1,10 +1,11 @@
 """Gives each request the KV blocks it needs, reusing cached prefix blocks by their chained hash.
 
 A full block's hash chains its parent's hash with its token ids, seeded by the model (and by the
-request's ``cache_salt``, so requests with different salts never share a block), so equal hashes mean
-equal prefixes. Blocks become findable as soon as they are allocated for tokens that fill them:
-within one forward pass every layer stores all new K/V before any attention reads, so a request
-scheduled later in the same step may already share them (this is how n > 1 samples share a prompt).
+request's ``cache_salt`` and LoRA adapter, so requests with different salts or adapters never share a
+block), so equal hashes mean equal prefixes. Blocks become findable as soon as they are allocated for
+tokens that fill them: within one forward pass every layer stores all new K/V before any attention
+reads, so a request scheduled later in the same step may already share them (this is how n > 1 samples
+share a prompt).
 
 Sliding window (``sliding_window``: every attention layer of the model attends only to the last
 ``sliding_window`` positions, as Mistral's do): a block wholly before the window of a request's next
@@ -161,7 +162,8 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
-            parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt)
+            lora_name = request.lora_request.lora_name if request.lora_request is not None else None
+            parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt, lora_name)
             size = self.block_size
             for i in range(len(hashes), num_full):
                 parent = hash_block(parent, request.token_slice(i * size, (i + 1) * size))

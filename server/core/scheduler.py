@@ -2,7 +2,9 @@
 and sequence budgets. Prompts are split into chunks that share a forward pass with decodes; when blocks
 run out the newest running request is preempted (its blocks freed, recomputed later), FCFS otherwise.
 A decode carrying draft tokens (speculative decoding) takes 1 + drafts tokens; drafts are cut to the
-token budget and dropped, never the request, when their blocks do not fit.
+token budget and dropped, never the request, when their blocks do not fit. With LoRA, no more than
+``max_loras`` distinct adapters run at once: a waiting request whose adapter would be one too many
+waits (others may pass it), as in vLLM's scheduler.
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
+    ) -> None:
+        """``max_loras``: the most distinct LoRA adapters running at once (0: LoRA is off)."""
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -95,15 +101,27 @@ class Scheduler:
             return []
         return request.spec_token_ids[: budget - 1]
 
+    def active_loras(self) -> set[int]:
+        """The adapters of the running requests: they keep their device slots (server/lora/manager.py)."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        loras = self.active_loras() if self.max_loras else set()
+        skipped: list[Request] = []  # waiting for a LoRA slot: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            lora_id = request.lora_int_id
+            if self.max_loras and lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())  # vLLM's rule: at most max_loras adapters at once
+                continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, num_new, cached):
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # FCFS: nobody overtakes the head of the queue (but requests for a LoRA slot)
             self.waiting.popleft()
+            if lora_id:
+                loras.add(lora_id)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -113,6 +131,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

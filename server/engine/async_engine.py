@@ -33,6 +33,7 @@ from pagedserve.server.engine.processor import (
     load_tokenizer,
     make_processor,
 )
+from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -182,7 +183,11 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------------------
 
     async def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
@@ -191,21 +196,50 @@ class AsyncEngine:
             # the loop, so other streams keep flowing; process() below then finds it in the cache. Only the
             # compile moves: tokenizing stays on the loop, the one thread that uses the HF tokenizer.
             await asyncio.to_thread(self.processor.grammar_compiler.compile, params.structured_outputs)
-        request = self.processor.process(request_id, prompt, params)
+        request = self.processor.process(request_id, prompt, params, lora_request=lora_request)
         self.output_processor.add_request(request)  # refuses a request_id in use
         stream = self._streams[request_id] = RequestStream(self, request)
         self._send("add", request.children)
         return stream
 
     async def generate(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, lora_request)
         try:
             async for output in stream:
                 yield output
         finally:
             await stream.aclose()
+
+    # ---- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) ------------------
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.processor.lora_requests.values())
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check the adapter off the loop (LoRALoadError with the reason), then hand it to the
+        core; requests may name it as soon as this returns (the core gets it before their "add")."""
+        self.processor.register_lora(lora_request)  # a taken name or id is refused before any reading
+        try:
+            lora_manager = getattr(self.core, "lora", None)
+            if lora_manager is None:
+                raise LoRALoadError("LoRA is not enabled: start the engine with --enable-lora.")
+            weights = await asyncio.to_thread(lora_manager.load, lora_request)
+        except BaseException:
+            self.processor.unregister_lora(lora_request.lora_name)
+            raise
+        self._send("add_lora", (lora_request, weights))
+
+    async def remove_lora(self, lora_name: str) -> LoRARequest:
+        """KeyError for an unknown name. Running requests finish with the adapter; waiting ones fail."""
+        lora_request = self.processor.unregister_lora(lora_name)
+        self._send("remove_lora", lora_request.lora_int_id)
+        return lora_request
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -311,6 +345,10 @@ class AsyncEngine:
                         self._to_loop(self._on_step_failed, [request.request_id], exc)
             elif command == "abort":
                 self.core.abort_requests(payload)
+            elif command == "add_lora":
+                self.core.add_lora(*payload)
+            elif command == "remove_lora":
+                self.core.remove_lora(payload)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

@@ -13,21 +13,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pagedserve.server.backend import select_backend
 from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedserve.server.core.scheduler import Scheduler
-from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, LoRAStats
 from pagedserve.server.engine.exceptions import StepError
+from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request, RequestStatus
 from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 from pagedserve.server.spec_decode.proposer import DraftProposer, record_acceptance
 from pagedserve.server.worker.model_runner import ModelRunner
 from pagedserve.server.worker.sampler import SampledToken
+
+if TYPE_CHECKING:
+    from pagedserve.server.lora.manager import LoRAManager
+    from pagedserve.server.lora.peft import AdapterWeights
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -50,7 +56,11 @@ class EngineCore:
             sliding_window=uniform_sliding_window(self.model.attention_layers()),
             enable_kv_events=config.enable_kv_events,
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens)
+        max_loras = config.max_loras if self.lora is not None else 0
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras)
+        # finished requests per adapter name: pagedserve:lora_requests_total
+        self.lora_requests_finished: dict[str, int] = {}
+        self._check_unloaded = False  # an adapter was unloaded: fail the requests still waiting for it
         spec = config.speculative_config
         self.proposer = DraftProposer(spec, config.max_model_len or 0) if spec is not None else None
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
@@ -85,6 +95,7 @@ class EngineCore:
             self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization
         )
         self.vocab_size = int(self.hf_config.vocab_size)
+        self.lora = self._make_lora_manager()
         num_kv_heads, head_dim = _kv_shape(self.hf_config)
         num_layers = len(self.model.attention_layers())
         block_bytes = ModelRunner.bytes_per_block(
@@ -103,9 +114,56 @@ class EngineCore:
             self.device,
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len or 0,
-            enforce_eager=config.enforce_eager,
+            enforce_eager=config.enforce_eager or self.lora is not None,
             calculate_kv_scales=config.calculate_kv_scales,
+            lora=self.lora,
         )
+
+    def _make_lora_manager(self) -> LoRAManager | None:
+        """The adapters' slots and caches, and the ``lora_modules`` read at start; None without LoRA."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        from pagedserve.server.lora.manager import LoRAManager
+
+        assert config.max_cpu_loras is not None  # resolved by EngineConfig
+        manager = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        # The token -> slot mapping changes with every step's batch; CUDA graphs would need it in a static
+        # buffer, so for now LoRA runs eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager:
+            logger.info("LoRA is enabled: CUDA graphs are off (the adapter mapping is per step)")
+        for index, module in enumerate(config.lora_modules or [], start=1):
+            manager.add(LoRARequest(module.name, index, module.path))
+        return manager
+
+    # ---- adapters -----------------------------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest, weights: AdapterWeights | None = None) -> None:
+        """Register an adapter (``weights`` read already by ``self.lora.load``, else read here)."""
+        if self.lora is None:
+            raise LoRALoadError("LoRA is not enabled (--enable-lora)")
+        self.lora.add(lora, weights)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """New requests cannot use it; running ones finish with it, waiting ones fail at the next step."""
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
+            self._check_unloaded = True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.registered.values()) if self.lora is not None else []
+
+    def _fail_unloaded(self) -> None:
+        """Waiting requests whose adapter was unloaded fail, each alone, with the reason."""
+        self._check_unloaded = False
+        assert self.lora is not None
+        registered = self.lora.registered
+        gone = [r for r in self.scheduler.waiting if r.lora_int_id and r.lora_int_id not in registered]
+        if gone:
+            names = sorted({r.lora_request.lora_name for r in gone if r.lora_request is not None})
+            self.abort_requests([r.request_id for r in gone])
+            reason = f"LoRA adapter {', '.join(names)} was unloaded before the request ran"
+            raise StepError([r.request_id for r in gone], LoRALoadError(reason))
 
     def _num_blocks(self, block_bytes: int) -> int:
         cfg = self.config
@@ -165,6 +223,7 @@ class EngineCore:
             if request is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
                 request.metrics.finished_time = now
+                self._count_lora_request(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,12 +231,15 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._check_unloaded:
+            self._fail_unloaded()
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in plan.scheduled}
+        active_loras = self.scheduler.active_loras() if self.lora is not None else None
         try:
-            sampled = self.runner.execute(plan.scheduled, block_ids)
+            sampled = self.runner.execute(plan.scheduled, block_ids, active_loras)
         except Exception as exc:
             raise self._fail_step([s.request for s in plan.scheduled], exc) from exc
         for item in plan.scheduled:
@@ -201,6 +263,7 @@ class EngineCore:
             if request.finished:
                 self.scheduler.finish(request, request.status)
                 del self.requests[request.request_id]
+                self._count_lora_request(request)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -281,6 +344,21 @@ class EngineCore:
         if request.finished:
             request.metrics.finished_time = now
 
+    def _count_lora_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            self.lora_requests_finished[name] = self.lora_requests_finished.get(name, 0) + 1
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.lora is None:
+            return None
+        return LoRAStats(
+            max_lora=self.config.max_loras,
+            running=_adapter_names(self.scheduler.running),
+            waiting=_adapter_names(self.scheduler.waiting),
+            requests_finished=dict(self.lora_requests_finished),
+        )
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -294,7 +372,12 @@ class EngineCore:
             num_gpu_blocks=self.num_blocks,
             block_size=self.config.block_size,
             spec_decoding=self.spec_stats.snapshot() if self.proposer is not None else None,
+            lora=self._lora_stats(),
         )
+
+
+def _adapter_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 def _kv_shape(hf_config: Any) -> tuple[int, int]:

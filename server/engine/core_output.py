@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LoRAStats:
+    """vllm:lora_requests_info and pagedserve:lora_requests_total (server/api/metrics.py)."""
+
+    max_lora: int
+    running: list[str]  # names of the adapters of running requests
+    waiting: list[str]  # ... of waiting ones
+    requests_finished: dict[str, int]  # adapter name -> requests finished (stopped, cut or aborted)
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -28,6 +38,7 @@ class EngineStats:
     num_gpu_blocks: int
     block_size: int
     spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
+    lora: LoRAStats | None = None  # None: LoRA is off
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import ProcessedRequest, PromptInput, load_tokenizer, make_processor
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import SamplingParams
 
 
@@ -30,9 +31,28 @@ class LLMEngine:
         return self.core.vocab_size
 
     def process_inputs(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                       arrival_time: float | None = None) -> ProcessedRequest:
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Check one request (raises InvalidRequestError, a ValueError); queues nothing."""
-        return self.processor.process(request_id, prompt, params, arrival_time)
+        return self.processor.process(request_id, prompt, params, arrival_time, lora_request)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read, check and register an adapter; LoRALoadError (a ValueError) with the reason."""
+        self.processor.register_lora(lora_request)
+        try:
+            self.core.add_lora(lora_request)
+        except BaseException:
+            self.processor.unregister_lora(lora_request.lora_name)
+            raise
+
+    def remove_lora(self, lora_name: str) -> None:
+        """KeyError for an unknown name; requests already running finish with it."""
+        self.core.remove_lora(self.processor.unregister_lora(lora_name).lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.processor.lora_requests.values())
 
     def add(self, request: ProcessedRequest) -> None:
         self.output_processor.add_request(request)
@@ -40,8 +60,8 @@ class LLMEngine:
             self.core.add_request(child)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        self.add(self.process_inputs(request_id, prompt, params, arrival_time))
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        self.add(self.process_inputs(request_id, prompt, params, arrival_time, lora_request))
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))

@@ -2,7 +2,8 @@
 
 ``Processor.process`` tokenizes the prompt input, checks it against the model (empty prompt, token ids
 in the vocabulary, length vs max_model_len, n vs max_num_seqs), resolves max_tokens by vLLM's rule,
-compiles ``structured_outputs`` (server/structured_output/compiler.py: cached, bounded in time) and
+compiles ``structured_outputs`` (server/structured_output/compiler.py: cached, bounded in time), checks
+that a request's LoRA adapter is loaded (the adapters' registry of the front end lives here) and
 makes one core Request per sample, each with its own grammar matcher. A refusal is an
 ``InvalidRequestError`` naming the field: the offline LLM lets it raise, the server turns it into an
 OpenAI 400 (server/api/serving_base.py).
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.loader.generation_config import sampling_defaults
+from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 
@@ -51,6 +53,8 @@ class Processor:
         max_num_seqs: int,
         eos_token_ids: frozenset[int],
         generation_defaults: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        lora_requests: list[LoRARequest] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -61,6 +65,10 @@ class Processor:
         # unset, applied where requests are made (server/api/serving_base.py, server/llm.py) and here.
         self.generation_defaults = dict(generation_defaults or {})
         self._grammar_compiler: GrammarCompiler | None = None
+        # The adapters requests may name (server/lora/): the front end's copy of the core's registry,
+        # changed only by register_lora / unregister_lora, which the engines call before telling the core.
+        self.enable_lora = enable_lora
+        self.lora_requests: dict[str, LoRARequest] = {lora.lora_name: lora for lora in lora_requests or []}
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -78,9 +86,45 @@ class Processor:
             fields["max_tokens"] = None  # _max_tokens applies the model's default within the context left
         return SamplingParams(**fields)
 
+    def register_lora(self, lora: LoRARequest) -> None:
+        """Refuse an adapter whose name or id is taken (vLLM's messages); else requests may name it."""
+        if not self.enable_lora:
+            raise LoRALoadError("LoRA is not enabled: start the engine with --enable-lora.")
+        if lora.lora_name in self.lora_requests:
+            raise LoRALoadError(f"The lora adapter '{lora.lora_name}' has already been loaded.")
+        if any(known.lora_int_id == lora.lora_int_id for known in self.lora_requests.values()):
+            raise LoRALoadError(f"lora_int_id {lora.lora_int_id} is already used by another adapter.")
+        self.lora_requests[lora.lora_name] = lora
+
+    def unregister_lora(self, lora_name: str) -> LoRARequest:
+        """The adapter no new request may name; KeyError when none has that name."""
+        return self.lora_requests.pop(lora_name)
+
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        if lora is None:
+            return
+        if not self.enable_lora:
+            raise InvalidRequestError("LoRA is not enabled: start the engine with --enable-lora.",
+                                      param="model")
+        known = self.lora_requests.get(lora.lora_name)
+        if known is None:
+            raise InvalidRequestError(
+                f"The model `{lora.lora_name}` does not exist.", param="model", code="model_not_found"
+            )
+        if known != lora:
+            raise InvalidRequestError(
+                f"LoRA adapter `{lora.lora_name}` is loaded as {known}, not as {lora}.", param="model"
+            )
+
     def process(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
+        self._check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         cache_salt = self._cache_salt(prompt)
         self._check_prompt(token_ids)
@@ -107,6 +151,7 @@ class Processor:
                 seed=params.seed + index if params.seed is not None else None,
                 bad_words_token_ids=bad_words_token_ids,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
                 # The request's prompt logprobs are computed once, by its first sample.
                 prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
                 grammar=grammar.new_state() if grammar is not None else None,
@@ -225,4 +270,6 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         config.max_num_seqs,
         eos_token_ids(core.model_path, tokenizer),
         sampling_defaults(core.model_path, config.generation_config),
+        enable_lora=config.enable_lora,
+        lora_requests=core.list_loras(),
     )

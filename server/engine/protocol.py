@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedserve.server.engine.core_output import EngineStats
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.processor import PromptInput
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # config.py imports torch; the API layer does not need it at run time
@@ -59,15 +60,34 @@ class EngineClient(Protocol):
     def generation_defaults(self) -> dict[str, Any]: ...  # sampling defaults (--generation-config)
 
     async def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Check the request (InvalidRequestError, naming the field) and queue it; its output stream."""
+        """Check the request (InvalidRequestError, naming the field) and queue it; its output stream.
+        ``lora_request``: the loaded adapter it runs with (``list_loras``), None for the base model."""
         ...
 
     def generate(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``add_request`` and its stream in one async generator (vLLM's ``AsyncLLM.generate``)."""
+        ...
+
+    def list_loras(self) -> list[LoRARequest]: ...  # the loaded adapters requests may name
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter: LoRALoadError (a ValueError) with the reason, a taken name included."""
+        ...
+
+    async def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Unload an adapter for new requests (running ones finish with it); KeyError if unknown."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

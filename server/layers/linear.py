@@ -9,10 +9,15 @@ holds and multiplies its weight is its ``method`` (server/layers/quantization/):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from pagedserve.server.layers.quantization.base import LinearMethod
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedserve.server.lora.layers import LinearLoRA
 
 # oneDNN's fp32 matmul is faster than the MKL sgemm behind F.linear at decode batch sizes on an AVX2 AMD
 # EPYC (1.27x for a forward's projections at 1-8 rows) and on par at prefill sizes (within +-10%, either
@@ -87,6 +92,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.device = dtype, torch.device(device)
         self.set_method(UnquantizedLinearMethod())
+        # server/lora/layers.py LinearLoRA, attached by server/lora/manager.py when LoRA is enabled
+        self.lora: LinearLoRA | None = None
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -99,7 +106,8 @@ class Linear(nn.Module):
         method.create_weights(self, self.in_features, self.out_features, self.dtype, self.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        y = self.method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         """Load checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place."""

@@ -74,6 +74,8 @@ class DecoderForCausalLM(nn.Module):
 
     stacked_params: ClassVar[tuple[tuple[str, str, int], ...]] = STACKED_QKV_GATE_UP
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # The decoder layers' projections a LoRA adapter may change (server/lora/manager.py)
+    lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(
         self,

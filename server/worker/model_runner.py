@@ -17,6 +17,7 @@ import torch
 from pagedserve.server.backend import Backend
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
+from pagedserve.server.lora.manager import LoRAManager
 from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
@@ -41,6 +42,7 @@ class StepInputs:
     # Decodes with drafts: hidden rows of the last known token and of each draft, request after request
     spec_indices: list[int] = field(default_factory=list)
     spec_requests: list[ScheduledRequest] = field(default_factory=list)
+    ordered: list[ScheduledRequest] = field(default_factory=list)  # the batch's order: decodes, prefills
 
 StepResult = list[tuple[Request, list[SampledToken] | Exception]]
 
@@ -60,14 +62,17 @@ class ModelRunner:
         max_model_len: int = 2048,
         enforce_eager: bool = False,
         calculate_kv_scales: bool = False,
+        lora: LoRAManager | None = None,
     ) -> None:
         """``dtype``: the KV cache's (``EngineConfig.torch_kv_cache_dtype``), which may be FP8 while the
         model computes in another. ``calculate_kv_scales``: the first prefill after start-up sets each
         layer's FP8 scales (server/layers/attention.py); armed after graph capture, whose dummy steps
-        must not set them."""
+        must not set them. ``lora``: the adapters' slots (server/lora/manager.py); the runner sets the
+        step's token -> slot mapping, and the engine runs such a model without CUDA graphs."""
         if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
             raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -90,10 +95,18 @@ class ModelRunner:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepResult:
+    def execute(
+        self,
+        scheduled: list[ScheduledRequest],
+        block_ids: dict[str, list[int]],
+        active_loras: set[int] | None = None,
+    ) -> StepResult:
         """One forward pass; each sampled request's new tokens (one, or the accepted drafts and one more),
-        or the exception its row alone raised."""
+        or the exception its row alone raised. ``active_loras``: the adapters of every running request,
+        whose device slots this step must not take."""
         inputs = self.prepare(scheduled, block_ids)
+        if self.lora is not None:
+            self._set_lora_mapping(inputs.ordered, active_loras or set())
         if self.graphs is not None and self.graphs.fits(inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -113,6 +126,19 @@ class ModelRunner:
         if inputs.spec_requests:
             results.extend(self._verify(hidden, inputs))
         return results
+
+    def _set_lora_mapping(self, ordered: list[ScheduledRequest], active_loras: set[int]) -> None:
+        """Each token's adapter slot (-1: the base model), in the flattened batch's order; None when the
+        step has no adapter, so the projections skip LoRA."""
+        assert self.lora is not None
+        lora_ids = [item.request.lora_int_id for item in ordered]
+        if not any(lora_ids):
+            self.lora.set_token_slots(None)
+            return
+        slot_of = self.lora.activate([i for i in lora_ids if i], active_loras)
+        slots = torch.tensor([slot_of.get(i, -1) if i else -1 for i in lora_ids], dtype=torch.long)
+        counts = torch.tensor([item.num_new_tokens for item in ordered], dtype=torch.long)
+        self.lora.set_token_slots(self._to_device(slots.repeat_interleave(counts)))
 
     def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> StepResult:
         spec_rows = self._to_device(torch.tensor(inputs.spec_indices, dtype=torch.long))
@@ -186,6 +212,7 @@ class ModelRunner:
             prompt_logprob_rows=prompt_rows,
             spec_indices=spec_indices,
             spec_requests=spec_requests,
+            ordered=ordered,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

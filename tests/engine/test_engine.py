@@ -112,9 +112,9 @@ def computed_tokens(llm: LLM) -> Iterator[list[int]]:
     original = runner.execute
     counts: list[int] = []
 
-    def recording(scheduled: Any, block_ids: Any) -> Any:
+    def recording(scheduled: Any, block_ids: Any, *rest: Any) -> Any:
         counts.append(sum(s.num_new_tokens for s in scheduled))
-        return original(scheduled, block_ids)
+        return original(scheduled, block_ids, *rest)
 
     runner.execute = recording  # type: ignore[method-assign]
     yield counts

@@ -26,9 +26,10 @@ def sent(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> list[SamplingPa
     params: list[SamplingParams] = []
     add_request = engine.add_request
 
-    async def recording(request_id: str, prompt: Any, sampling: SamplingParams) -> Any:
+    async def recording(request_id: str, prompt: Any, sampling: SamplingParams, lora: Any = None) -> Any:
         params.append(sampling)
-        return await add_request(request_id, prompt, dataclasses.replace(sampling, structured_outputs=None))
+        sampling = dataclasses.replace(sampling, structured_outputs=None)
+        return await add_request(request_id, prompt, sampling, lora)
 
     monkeypatch.setattr(engine, "add_request", recording)
     return params
