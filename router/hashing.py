@@ -47,11 +47,10 @@ def seed_hash(model_name: str) -> bytes:
 
 
 def salted_seed(seed: bytes, cache_salt: Any, lora_name: str | None = None) -> bytes:
-    """The chain's root for a request: the engine salts its first block's hash (server/core/block_hash.py)
-    with the LoRA adapter the request names, then with vLLM's ``cache_salt``, so that blocks computed under
-    one adapter, the base model or another salt never share a cached prefix."""
-    root = block_hash.salted_root(seed, lora_name)
-    return block_hash.salted_root(root, cache_salt if isinstance(cache_salt, str) else None)
+    """The chain's root for a request, computed as the engine computes it (server/core/block_hash.py
+    ``salted_root``): vLLM's ``cache_salt`` and the LoRA adapter the request names both seed the first
+    block, so blocks computed under one adapter, the base model or another salt never share a prefix."""
+    return block_hash.salted_root(seed, cache_salt if isinstance(cache_salt, str) else None, lora_name)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[int]:

@@ -19,15 +19,19 @@ from pagedserve.server.engine.kv_events import (
     KVEventPublisher,
 )
 from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 
 BLOCK = 4
 
 
-def make_request(request_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+def make_request(
+    request_id: str, tokens: list[int], cache_salt: str | None = None, lora: LoRARequest | None = None
+) -> Request:
     return Request(request_id=request_id, prompt_token_ids=tokens, params=SamplingParams(), max_tokens=8,
-                   eos_token_ids=frozenset(), metrics=RequestMetrics(0.0), cache_salt=cache_salt)  # fmt: skip
+                   eos_token_ids=frozenset(), metrics=RequestMetrics(0.0), cache_salt=cache_salt,
+                   lora_request=lora)  # fmt: skip
 
 
 def admit(kv: KVCacheManager, request: Request) -> bool:
@@ -57,6 +61,24 @@ def test_stored_on_prefill_with_the_chain_the_router_computes() -> None:
     (more,) = kv.pool.take_events()
     first = stored.block_hashes[0]
     assert more == BlockStored(chain_hashes(other, BLOCK, root)[1:], first, [7, 7, 7, 7], BLOCK)
+
+
+def test_adapter_blocks_match_the_router_index_for_that_adapter_only() -> None:
+    """An adapter request's stored blocks are found by the router's index (router/kv_index.py) for the same
+    adapter and salt, and by no other: router and engine root the chain alike (issue 17)."""
+    kv = manager(8)
+    prompt = list(range(100, 110))
+    sql = LoRARequest("sql", 1, "/adapters/sql")
+    assert admit(kv, make_request("a", prompt, cache_salt="tenant", lora=sql))
+    (stored,) = kv.pool.take_events()
+    index = KVIndex()
+    events = [{"type": "BlockStored", "block_hashes": [h.hex() for h in stored.block_hashes]}]
+    index.apply("u", {"snapshot": True, "hash_root": kv.root_hash.hex(), "block_size": BLOCK, "seq": 0,
+                      "events": events})  # fmt: skip
+    assert index.matches(prompt, "tenant", ["u"], "sql") == {"u": 2}
+    assert index.matches(prompt, "tenant", ["u"]) == {"u": 0}
+    assert index.matches(prompt, None, ["u"], "sql") == {"u": 0}
+    assert index.matches(prompt, "tenant", ["u"], "legal") == {"u": 0}
 
 
 def test_removed_on_eviction_under_a_tiny_pool_and_cleared_on_reset() -> None:

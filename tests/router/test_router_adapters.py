@@ -197,9 +197,9 @@ def test_adapter_prefix_hashes_never_collide_with_base_or_other_adapters(tiny_to
     assert sql == hasher.hashes_of(ids, None, "sql")  # stable: every router replica agrees
     assert not set(sql) & set(hasher.hashes_of(ids, "tenant-salt", "sql"))
 
-    # kv-events: the chain the index matches is the engine's, rooted at the adapter then the salt
+    # kv-events: the chain the index matches is the engine's (server/core/block_hash.py salted_root)
     root = seed_hash("engine-seed")
-    engine_root = salted_root(salted_root(root, "sql"), "s")
+    engine_root = salted_root(root, "s", "sql")
     engine_hashes = chain_hashes(ids, 4, engine_root)
     index = KVIndex()
     events = [{"type": "BlockStored", "block_hashes": [h.hex() for h in engine_hashes]}]
