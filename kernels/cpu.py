@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,67 +199,93 @@ def w8a16_matmul(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-@dataclass
+@dataclass(frozen=True)
 class _SlotRuns:
-    """A batch's tokens grouped by LoRA slot: which slots have tokens, read on the host once per call."""
+    """A batch's adapter tokens in runs of one slot, read on the host once per step.
 
-    runs: list[tuple[int, int, int]]  # (slot, start, count) per slot with tokens; start indexes lora_tokens
-    # int64 indices of the adapter tokens sorted by slot; None when every token has the one slot of runs
-    # (or, runs empty, every token is a base-model token)
-    lora_tokens: torch.Tensor | None
+    The runner puts a step's requests in adapter order (server/worker/model_runner.py), so each slot's
+    tokens are one or two contiguous row ranges (its decodes, then its prefills) and every run is a slice
+    of ``x`` and ``y``: no gather, no scatter. A batch cut into more runs than that (another caller's
+    order) is gathered by slot first: then runs index ``gathered`` rows, not rows of ``x``."""
+
+    runs: list[tuple[int, int, int]]  # (slot, start, stop) per run of adapter tokens
+    gathered: torch.Tensor | None  # int64 rows of x sorted by slot, or None: runs are rows of x
+
+
+# The last grouping: every projection of a step reads the same slots (LoRAMapping, set once per step), so
+# they are grouped once, not 2 x projections x layers times; reading them back is all a call repeats.
+_last_runs: tuple[list[int], torch.device, _SlotRuns] | None = None
 
 
 def _slot_runs(token_slots: torch.Tensor) -> _SlotRuns:
-    # The slots as a Python list: a decode batch's few ids cost under a microsecond to read and count,
+    global _last_runs
+    # The slots as a Python list: a decode batch's few ids cost under a microsecond to read and compare,
     # against 5-10 us for bincount or aminmax and their host reads (benchmarks/lora_ops.py's sizes).
     slots = token_slots.tolist()
-    present = sorted(set(slots))
-    if len(present) <= 1:  # one slot has every token, or none has any: nothing to gather
-        slot = present[0] if present else -1
-        return _SlotRuns([] if slot < 0 else [(slot, 0, len(slots))], None)
+    last = _last_runs
+    if last is not None and last[0] == slots and last[1] == token_slots.device:
+        return last[2]
+    grouped = _group_slots(slots, token_slots)
+    _last_runs = (slots, token_slots.device, grouped)
+    return grouped
+
+
+def _group_slots(slots: list[int], token_slots: torch.Tensor) -> _SlotRuns:
+    runs, start = [], 0
+    for slot, tokens in itertools.groupby(slots):
+        stop = start + sum(1 for _ in tokens)
+        if slot >= 0:
+            runs.append((slot, start, stop))
+        start = stop
+    present = sorted({slot for slot, _, _ in runs})
+    if len(runs) <= 2 * len(present):
+        return _SlotRuns(runs, None)
     runs, start = [], 0
     for slot in present:
-        if slot >= 0:
-            count = slots.count(slot)
-            runs.append((slot, start, count))
-            start += count
+        count = slots.count(slot)
+        runs.append((slot, start, start + count))
+        start += count
     order = torch.argsort(token_slots, stable=True)  # base-model tokens (-1) first, then slot by slot
     return _SlotRuns(runs, order[len(slots) - start:])
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """Same contract as ``reference.lora_shrink``, grouped by slot: the adapter tokens are sorted by slot
-    once, each slot present runs one ``F.linear`` on its contiguous run of rows, and the results are
-    scattered back once; a batch whose tokens all have one slot runs one ``F.linear`` on ``x`` itself.
-    The reference gathers a ``[T, R, in]`` copy of the weights instead, which at prefill sizes costs far
-    more than the product (benchmarks/lora_ops.py). Computed in float32, as the reference is.
-    ``F.linear`` (MKL) rather than server/layers/linear.py's oneDNN ``linear``: with weights it has not
-    prepared before, oneDNN spends about 15 us per call preparing them, 6x a rank-16 product."""
+    """Same contract as ``reference.lora_shrink``, in runs of one slot (``_SlotRuns``): one matmul per run,
+    written straight into its rows of the result. The reference gathers a ``[T, R, in]`` copy of the
+    weights instead, which at prefill sizes costs far more than the product (benchmarks/lora_ops.py).
+    Computed in float32, as the reference is. ``torch.mm`` (MKL) rather than server/layers/linear.py's
+    oneDNN ``linear``: with weights it has not prepared before, oneDNN spends about 15 us per call
+    preparing them, 6x a rank-16 product."""
     grouped = _slot_runs(token_slots)
-    if grouped.lora_tokens is None and grouped.runs:
-        return F.linear(x.float(), lora_a[grouped.runs[0][0]].float())
-    buf = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    if grouped.lora_tokens is None:
+    rows = x.float() if grouped.gathered is None else x.index_select(0, grouped.gathered).float()
+    covered = sum(stop - start for _, start, stop in grouped.runs)  # rows no run writes stay zero
+    make = torch.empty if covered == rows.shape[0] else torch.zeros
+    buf = make((rows.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    for slot, start, stop in grouped.runs:
+        torch.mm(rows[start:stop], lora_a[slot].float().t(), out=buf[start:stop])
+    if grouped.gathered is None:
         return buf
-    rows = x.index_select(0, grouped.lora_tokens).float()
-    out = torch.empty((rows.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    for slot, start, count in grouped.runs:
-        out[start:start + count] = F.linear(rows[start:start + count], lora_a[slot].float())
-    return buf.index_copy_(0, grouped.lora_tokens, out)
+    result = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    return result.index_copy_(0, grouped.gathered, buf)
 
 
 def lora_expand(
     y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
 ) -> torch.Tensor:
-    """Same contract as ``reference.lora_expand``, grouped by slot as ``lora_shrink`` is; each delta is
-    rounded to ``y``'s dtype before it is added, as in the reference, and base-model rows are not written."""
+    """Same contract as ``reference.lora_expand``, in runs of one slot as ``lora_shrink``; base-model rows
+    are not written. A float32 ``y`` takes each run's product added in the same call (``addmm_``); other
+    dtypes get each delta rounded to ``y``'s dtype before it is added, as in the reference."""
     grouped = _slot_runs(token_slots)
-    if grouped.lora_tokens is None:
-        if grouped.runs:
-            y.add_(F.linear(buf.float(), lora_b[grouped.runs[0][0]].float()).to(y.dtype))
-        return y
-    rows = buf.index_select(0, grouped.lora_tokens).float()
-    delta = torch.empty((rows.shape[0], lora_b.shape[1]), dtype=torch.float32, device=y.device)
-    for slot, start, count in grouped.runs:
-        delta[start:start + count] = F.linear(rows[start:start + count], lora_b[slot].float())
-    return y.index_add_(0, grouped.lora_tokens, delta.to(y.dtype))
+    if grouped.gathered is not None:
+        rows = buf.index_select(0, grouped.gathered).float()
+        delta = torch.empty((rows.shape[0], lora_b.shape[1]), dtype=torch.float32, device=y.device)
+        for slot, start, stop in grouped.runs:
+            torch.mm(rows[start:stop], lora_b[slot].float().t(), out=delta[start:stop])
+        return y.index_add_(0, grouped.gathered, delta.to(y.dtype))
+    for slot, start, stop in grouped.runs:
+        weight = lora_b[slot].float().t()
+        if y.dtype == torch.float32:
+            y[start:stop].addmm_(buf[start:stop].float(), weight)
+        else:
+            y[start:stop].add_(torch.mm(buf[start:stop].float(), weight).to(y.dtype))
+    return y

@@ -157,6 +157,9 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        if self.lora is not None:  # each adapter's tokens in one run per kind: kernels/cpu.py _SlotRuns
+            decodes.sort(key=_adapter_of)
+            prefills.sort(key=_adapter_of)
         ordered = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
@@ -219,6 +222,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def _adapter_of(item: ScheduledRequest) -> int:
+    return item.request.lora_int_id
 
 
 def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -29,22 +29,30 @@ interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run in a child w
 
 # Token counts: one (decode), a partial tile, more than two 16-token tiles.
 NUM_TOKENS = [1, 5, 37]
-PATTERNS = ["mixed", "all_base", "one_slot", "one_slot_and_base", "descending"]
+PATTERNS = ["mixed", "all_base", "one_slot", "one_slot_and_base", "descending", "runs"]
 # (atol, rtol) of the shrink and of the updated y against the reference on the same inputs.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
 def slot_pattern(name: str, num_tokens: int, num_slots: int) -> list[int]:
     """Slots per token: random with base tokens (-1) among them, none but base tokens, all one slot, one
-    slot and base tokens alternating, and slots in descending order round after round."""
+    slot and base tokens alternating, slots in descending order round after round, and the runner's
+    order (server/worker/model_runner.py): decodes, then prefills, each sorted by adapter."""
     gen = torch.Generator().manual_seed(num_tokens * 31 + num_slots)
     last = num_slots - 1
+    half = num_tokens // 2
+
+    def runs() -> list[int]:
+        drawn = torch.randint(-1, num_slots, (num_tokens,), generator=gen).tolist()
+        return sorted(drawn[:half]) + sorted(drawn[half:])
+
     return {
         "mixed": lambda: torch.randint(-1, num_slots, (num_tokens,), generator=gen).tolist(),
         "all_base": lambda: [-1] * num_tokens,
         "one_slot": lambda: [last] * num_tokens,
         "one_slot_and_base": lambda: [last if t % 2 else -1 for t in range(num_tokens)],
         "descending": lambda: [last - t % num_slots for t in range(num_tokens)],
+        "runs": runs,
     }[name]()
 
 
@@ -131,11 +139,11 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("pattern", ["mixed", "one_slot"])
+@pytest.mark.parametrize("pattern", ["mixed", "one_slot", "runs"])
 def test_cpu_path_copies_no_weights_per_token(pattern):
     """The point of the CPU path: no ``[T, R, in]`` / ``[T, out, R]`` weight gather as in the reference
-    (no op output anywhere near that size), and none of the token gathers or scatters either when one
-    slot has every token."""
+    (no op output anywhere near that size), and none of the token gathers or scatters either when each
+    slot's tokens are in runs (the runner's order), one slot having every token included."""
     num_tokens, rank, in_features, out_features = 37, 16, 96, 80
     case = make_lora_case(slot_pattern(pattern, num_tokens, 3), 3, rank, in_features, out_features)
     with OpRecorder() as recorder:
@@ -146,6 +154,17 @@ def test_cpu_path_copies_no_weights_per_token(pattern):
     gathers = {"index_select", "index", "index_copy_", "index_add_", "gather", "scatter"}
     names = {name for name, _ in recorder.ops}
     assert bool(names & gathers) == (pattern == "mixed"), names
+    assert names & {"mm", "addmm"}, names  # the runs' products ran, not nothing
+
+
+def test_cpu_grouping_is_redone_when_the_slots_change_in_place():
+    """The CPU path groups a step's slots once and reuses that while they are the same (every projection
+    of a step reads one tensor); a tensor written in place since must be grouped again."""
+    case = make_lora_case(slot_pattern("runs", 37, 3), 3, 16, 96, 80)
+    cpu.lora_shrink(case.x, case.lora_a, case.token_slots)
+    case.token_slots.copy_(torch.tensor(slot_pattern("mixed", 37, 3)))
+    expected = reference.lora_shrink(case.x, case.lora_a, case.token_slots)
+    torch.testing.assert_close(cpu.lora_shrink(case.x, case.lora_a, case.token_slots), expected)
 
 
 def test_cpu_no_tokens():
