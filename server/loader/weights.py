@@ -12,6 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from pagedserve.server.backend import Backend
+    from pagedserve.server.distributed.parallel_state import TensorParallel
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -50,22 +51,29 @@ def load_model(
     backend: Backend,
     load_format: str = "auto",
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build the model for the folder's config on ``device``, running ``backend``'s kernels
     (server/backend.py), and load its weights: ``(model, hf_config)``.
 
     ``quantization`` (server/layers/quantization/, e.g. "int8") switches the projections to that weight
     format before loading, so each checkpoint tensor is quantized as it is read (no fp32 copy of the
-    model). ``load_format="dummy"`` skips the checkpoint and fills the weights with small random values (for
-    benchmarks of large shapes from a config.json alone). The model is in eval mode; call it under
+    model). ``tp``: this rank's place under tensor parallelism (server/distributed/): the model holds
+    only its shard, cut from each checkpoint tensor as it is read. ``load_format="dummy"`` skips the
+    checkpoint and fills the weights with small random values (for benchmarks of large shapes from a
+    config.json alone). The model is in eval mode; call it under
     ``torch.inference_mode()``.
     """
+    from pagedserve.server.distributed.parallel_state import SINGLE, building, check_tensor_parallel
     from pagedserve.server.layers.quantization import quantize_linears
     from pagedserve.server.models.registry import build_model
 
     device = torch.device(device)
     hf_config = load_config(path)
-    model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
+    tp = tp or SINGLE
+    check_tensor_parallel(hf_config, tp.size)
+    with building(tp):
+        model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
     quantize_linears(model, quantization, backend.kernels)
     if load_format == "dummy":
         initialize_dummy_weights(model)
