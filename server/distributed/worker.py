@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -109,6 +110,10 @@ def _exit_with_parent() -> None:
 def run_worker(rank: int, spec: WorkerSpec) -> None:
     """The process entry of rank ``rank`` (1 .. size - 1)."""
     _exit_with_parent()
+    # Stopped by the engine process alone (its stop command, or its death): a Ctrl-C or SIGTERM sent to
+    # the whole process group must let the engine drain first, not kill a rank under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     if spec.device_type == "cpu":
