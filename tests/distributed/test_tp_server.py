@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -41,6 +42,15 @@ def completions(server: ServerProcess, prompts: list[str], max_tokens: int = 16)
         client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
         for p in prompts
     ]
+
+
+def one_rank(model: Path | None, prompts: list[str], max_tokens: int) -> list[str]:
+    """The reference: the same engine on one rank, in this process (the server path is the same code as
+    tests/server's, and one server start fewer keeps these tests short)."""
+    llm = LLM(str(model) if model else None, dtype="float32", device="cpu", max_model_len=256,
+              kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [out.outputs[0].text for out in llm.generate(prompts, params)]
 
 
 def worker_pids(server: ServerProcess) -> list[int]:
@@ -75,29 +85,20 @@ def tiny_tp2(tmp_path_factory: pytest.TempPathFactory, llama_kv2: Path) -> Itera
 
 
 def test_embedded_model_tp3_equals_tp1(tmp_path: Path) -> None:
-    """3 ranks (3 query heads and 1 KV head each) answer as one does, through two real servers."""
-    one = serve_process(tmp_path / "tp1.log", *FLAGS)
-    three = serve_process(tmp_path / "tp3.log", "-tp", "3", *FLAGS)
-    with one, three:
-        one.wait_ready(STARTUP_TIMEOUT_S)
+    """3 ranks (3 query heads and 1 KV head each) answer as one engine does."""
+    with serve_process(tmp_path / "tp3.log", "-tp", "3", *FLAGS) as three:
         three.wait_ready(STARTUP_TIMEOUT_S)
-        assert len(worker_pids(three)) == 2  # ranks 1 and 2, beside rank 0 in the engine process
-        import httpx
-
-        assert httpx.get(three.url + "/version").json()["tensor_parallel_size"] == 3
-        assert completions(three, PROMPTS) == completions(one, PROMPTS)
         workers = worker_pids(three)
+        assert len(workers) == 2  # ranks 1 and 2, beside rank 0 in the engine process
+        assert httpx.get(three.url + "/version").json()["tensor_parallel_size"] == 3
+        assert completions(three, PROMPTS) == one_rank(None, PROMPTS, 16)
         assert three.stop() == 0  # SIGTERM: drained, the ranks stopped, exit 0
     assert not [pid for pid in workers if alive(pid)], "a rank outlived its server"
 
 
 def test_random_llama_tp2_equals_tp1(tiny_tp2: ServerProcess, llama_kv2: Path) -> None:
     assert len(worker_pids(tiny_tp2)) == 1
-    served = completions(tiny_tp2, PROMPTS, max_tokens=12)
-    llm = LLM(str(llama_kv2), dtype="float32", device="cpu", max_model_len=256,
-              kv_cache_memory_bytes=64 << 20)
-    params = SamplingParams(temperature=0, max_tokens=12)
-    assert served == [out.outputs[0].text for out in llm.generate(PROMPTS, params)]
+    assert completions(tiny_tp2, PROMPTS, max_tokens=12) == one_rank(llama_kv2, PROMPTS, 12)
 
 
 def test_killed_rank_ends_the_server(tiny_tp2: ServerProcess) -> None:
