@@ -115,6 +115,18 @@ def test_killed_rank_ends_the_server(tiny_tp2: ServerProcess) -> None:
     print(f"server exited {elapsed:.1f} s after its rank was killed, code {code}")
 
 
+def test_ranks_exit_with_a_killed_engine(tmp_path: Path, llama_kv2: Path) -> None:
+    """kill -9 of the engine process: its rank notices its parent is gone and exits (no orphans)."""
+    with serve_process(tmp_path / "server.log", str(llama_kv2), "-tp", "2", *FLAGS) as server:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        (worker,) = worker_pids(server)
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(worker), "rank 1 outlived its engine"
+
+
 def test_heads_that_do_not_split_are_refused_at_start(tmp_path: Path) -> None:
     """The embedded model's 9 query and 3 KV heads do not split across 2 ranks: exit 2, no rank started."""
     log = tmp_path / "tp2.log"
