@@ -117,16 +117,15 @@ class TPDriver:
     # ---- lifetime -----------------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        wait([worker.sentinel for worker in self.workers])
+        ready = wait([worker.sentinel for worker in self.workers])
         if self._stopping:
             return
-        for rank, worker in enumerate(self.workers, start=1):
-            if worker.exitcode is not None:
-                self.death = _death_message(rank, worker)
-                break
+        rank, worker = next((r, w) for r, w in enumerate(self.workers, start=1) if w.sentinel in ready)
+        worker.join(1.0)  # its sentinel closes as it dies, a moment before its exit code can be read
+        self.death = _death_message(rank, worker)
         logger.error("%s; the engine cannot go on", self.death)
         if self.on_death is not None:
-            self.on_death(self.death or "a tensor-parallel rank died")
+            self.on_death(self.death)
 
     def stop(self) -> None:
         """Tell the ranks to stop, wait for them (then kill what is left) and leave the group."""
