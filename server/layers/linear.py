@@ -147,18 +147,25 @@ class Linear(nn.Module):
         y = self.method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
+    def checkpoint_piece(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
+        """(dim, start, size) of checkpoint tensor ``name`` of projection ``shard`` that this rank holds,
+        for the loader to read only that (None: all of it)."""
+        if self.parallel == "column" and shard is not None:
+            return (0, *self.row_pieces[shard])
+        if self.parallel == "row" and name == "weight":
+            return (1, *self.input_piece)
+        return None
+
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        """Load checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place."""
+        """Load checkpoint tensor ``name`` ("weight" or "bias") of projection ``shard`` into place: the
+        whole checkpoint tensor, or already this rank's piece of it (``checkpoint_piece``)."""
         if shard is None and self.parallel == "column":  # a fused checkpoint matrix: cut it per projection
             for index, part in enumerate(tensor.split(self.full_sizes, dim=0)):
                 self.load(name, part, index)
             return
-        if self.parallel == "column":
-            start, size = self.row_pieces[shard]
-            tensor = tensor.narrow(0, start, size)
-        elif self.parallel == "row" and name == "weight":
-            start, size = self.input_piece
-            tensor = tensor.narrow(1, start, size)
+        piece = self.checkpoint_piece(name, shard)
+        if piece is not None and tensor.shape[piece[0]] != piece[2]:  # whole: cut this rank's piece
+            tensor = tensor.narrow(*piece)
         offset = 0 if shard is None else sum(self.output_sizes[:shard])
         size = None if shard is None else self.output_sizes[shard]
         if name == "weight":
@@ -205,11 +212,19 @@ class VocabEmbedding(nn.Module):
         logits = gather_to_driver(self.method.apply(self, hidden, None), self.tp)
         return logits if logits is None or self.tp.size == 1 else logits[:, : self.vocab_size]
 
+    def checkpoint_piece(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
+        """(dim, start, size): this rank's rows of the checkpoint's vocabulary (None: all of them)."""
+        if self.tp.size == 1:
+            return None
+        return 0, self.first_row, max(0, min(self.rows, self.vocab_size - self.first_row))
+
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        """The whole checkpoint matrix, or already this rank's rows of it (``checkpoint_piece``)."""
         if name != "weight":
             raise ValueError(f"VocabEmbedding has no {name!r} parameter")
         if self.tp.size > 1:
-            mine = tensor[self.first_row : self.first_row + self.rows]
+            whole = len(tensor) == self.vocab_size
+            mine = tensor[self.first_row : self.first_row + self.rows] if whole else tensor
             tensor = torch.zeros(self.rows, tensor.shape[1], dtype=tensor.dtype)
             tensor[: mine.shape[0]] = mine
         self.method.load_weight(self, tensor)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +78,8 @@ def load_model(
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif load_format == "auto":
-        model.load_weights(iterate_weights(path))
+        # Under tensor parallelism each rank reads only its piece of each split tensor.
+        model.load_weights(iterate_weights(path, model.checkpoint_piece if tp.size > 1 else None))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval(), hf_config
@@ -98,8 +99,12 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, cpu tensor)`` for every tensor of the checkpoint, with a progress bar."""
+def iterate_weights(
+    path: str | Path, piece_of: Callable[[str], tuple[int, int, int] | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, cpu tensor)`` for every tensor of the checkpoint, with a progress bar. ``piece_of(name)``:
+    (dim, start, size) to read of that tensor, None for all of it (safetensors only: a ``.bin`` is read
+    whole, and the layer cuts it)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -116,8 +121,16 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, handle.get_tensor(name)
+                    piece = piece_of(name) if piece_of is not None else None
+                    yield name, handle.get_tensor(name) if piece is None else _read_piece(handle, name, piece)
                     bar.update()
+
+
+def _read_piece(handle: Any, name: str, piece: tuple[int, int, int]) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) ``start:start+size`` of a safetensors tensor, reading only those."""
+    dim, start, size = piece
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return handle.get_slice(name)[index]
 
 
 @torch.no_grad()

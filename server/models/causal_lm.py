@@ -190,6 +190,20 @@ class DecoderForCausalLM(nn.Module):
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: {shown}")
 
+    def checkpoint_piece(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, size) of checkpoint tensor ``name`` that this tensor-parallel rank holds, so the
+        loader reads only that; None: the whole tensor (one rank, or a parameter every rank holds)."""
+        key = self.route_weight(name)
+        if key is None:
+            return None
+        module_path, param_name, shard = key
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return None  # load_weights names the unknown tensor
+        piece = getattr(module, "checkpoint_piece", None)
+        return piece(param_name, shard) if piece is not None else None
+
     def route_weight(self, name: str) -> WeightKey | None:
         """Checkpoint tensor name -> (module path, parameter, shard), or None for a tensor to skip."""
         if "rotary_emb." in name:

@@ -100,3 +100,31 @@ def test_mixture_of_experts_is_refused() -> None:
     config.architectures = ["MixtralForCausalLM"]
     with pytest.raises(ValueError, match="MixtralForCausalLM does not support tensor parallelism"):
         check_tensor_parallel(config, 2)
+
+
+def test_each_rank_reads_only_its_pieces_of_the_checkpoint(llama_kv2: Path) -> None:
+    """Rank 1 of 2 (built without a group: loading runs no collective) reads half of each split tensor
+    from the safetensors file, and holds exactly the whole model's second halves."""
+    from pagedserve.server.backend import select_backend
+    from pagedserve.server.distributed.parallel_state import TensorParallel
+    from pagedserve.server.loader import load_model
+    from pagedserve.server.loader.weights import iterate_weights, weight_files
+    from safetensors.torch import load_file
+
+    backend = select_backend(torch.device("cpu"), torch.float32, "torch")
+    model, _ = load_model(llama_kv2, "float32", "cpu", backend=backend, tp=TensorParallel(rank=1, size=2))
+    read = dict(iterate_weights(llama_kv2, model.checkpoint_piece))
+    full = {k: v for file in weight_files(llama_kv2) for k, v in load_file(file).items()}
+    prefix = "model.layers.0"
+    assert read[f"{prefix}.self_attn.q_proj.weight"].shape == (32, 64)  # heads 4..7 of 8, head_dim 8
+    assert read[f"{prefix}.self_attn.o_proj.weight"].shape == (64, 32)  # their input columns
+    assert read["lm_head.weight"].shape == (259 - 130, 64)  # ids 130..258
+    layer = model.model.layers[0]
+    q, k, v = layer.self_attn.qkv_proj.weight.split([32, 8, 8])
+    torch.testing.assert_close(q, full[f"{prefix}.self_attn.q_proj.weight"][32:])
+    torch.testing.assert_close(k, full[f"{prefix}.self_attn.k_proj.weight"][8:])  # KV head 1 of 2
+    torch.testing.assert_close(v, full[f"{prefix}.self_attn.v_proj.weight"][8:])
+    torch.testing.assert_close(layer.mlp.down_proj.weight, full[f"{prefix}.mlp.down_proj.weight"][:, 48:])
+    head = model.lm_head.weight
+    torch.testing.assert_close(head[:129], full["lm_head.weight"][130:])
+    assert not head[129:].any()  # the padding row past the vocabulary
