@@ -7,10 +7,11 @@ holds and multiplies its weight is its ``method`` (server/layers/quantization/):
 (``UnquantizedLinearMethod``), or a quantized format the loader switches it to before loading.
 
 Tensor parallelism (Megatron's split, server/distributed/): a layer built inside
-``parallel_state.building(tp)`` holds only this rank's shard, and ``load`` cuts it out of each full
-checkpoint tensor. A column-parallel ``Linear`` holds a slice of every merged projection's output rows
-(its outputs stay split: the next layer takes them split); a row-parallel one a slice of the input
-columns, and sums the ranks' partial outputs (all-reduce) before its bias. ``VocabEmbedding`` holds a
+``parallel_state.building(tp)`` holds only this rank's shard: ``checkpoint_piece`` says which piece of a
+checkpoint tensor that is (the loader reads only that from safetensors), and ``load`` takes that piece or
+cuts it out of the whole tensor. A column-parallel ``Linear`` holds a slice of every merged projection's
+output rows (its outputs stay split: the next layer takes them split); a row-parallel one a slice of the
+input columns, and sums the ranks' partial outputs (all-reduce) before its bias. ``VocabEmbedding`` holds a
 slice of the vocabulary: a lookup masks the ids it lacks and sums over the ranks; as the LM head its
 logits slices are gathered to rank 0.
 """
