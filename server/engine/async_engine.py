@@ -110,6 +110,7 @@ class AsyncEngine:
         # once, from whichever thread noticed: the server uses it to exit (server/api/cli.py).
         self.fatal_error: EngineDeadError | None = None
         self.on_fatal: Callable[[EngineDeadError], None] | None = None
+        self._fatal_lock = threading.Lock()  # the watcher and the engine thread may both notice
         ranks = getattr(core, "ranks", None)
         if ranks is not None:
             ranks.on_death = lambda message: self._die(RankDiedError(message))
@@ -300,9 +301,10 @@ class AsyncEngine:
 
     def _die(self, error: EngineDeadError) -> None:
         """The engine cannot go on: fail every stream, stop the loop, tell the server (any thread)."""
-        if self.fatal_error is not None:
-            return
-        self.fatal_error = error
+        with self._fatal_lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = error
         logger.error("the engine cannot go on: %s", error)
         self._stopping.set()
         self._wakeup.set()
