@@ -1,6 +1,7 @@
 """Tensor parallelism in the offline engine (``LLM(tensor_parallel_size=2)``): greedy tokens, logprobs
 and prompt logprobs equal one rank's, with chunked prefill and prefix-cache hits, on a random Llama whose
-2 KV heads split (one per rank) and on one whose single KV head both ranks hold; and what is refused.
+2 KV heads split (one per rank), on one whose single KV head both ranks hold, and on a Phi-3 whose fused
+projections are cut per part; which pieces of the checkpoint a rank reads; and what is refused.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float
     return answers
 
 
-@pytest.mark.parametrize("checkpoint", ["llama_kv2", "llama_kv1"])
+@pytest.mark.parametrize("checkpoint", ["llama_kv2", "llama_kv1", "phi3_fused"])
 def test_two_ranks_equal_one(checkpoint: str, request: pytest.FixtureRequest) -> None:
     path: Path = request.getfixturevalue(checkpoint)
     prompts = _prompts(seed=7)
@@ -57,6 +58,7 @@ def test_two_ranks_equal_one(checkpoint: str, request: pytest.FixtureRequest) ->
         kv_heads = 1  # 2 KV heads: one each; 1 KV head: both hold it
         assert (attention.num_heads, attention.num_kv_heads) == (4, kv_heads)
         assert tuple(attention.qkv_proj.weight.shape) == ((4 + 2 * kv_heads) * 8, 64)
+        assert tuple(core.model.model.layers[0].mlp.gate_up_proj.weight.shape) == (2 * 48, 64)
         assert tuple(core.model.model.layers[0].mlp.down_proj.weight.shape) == (64, 48)
         assert tuple(core.model.model.embed_tokens.weight.shape) == (130, 64)  # ceil(259 / 2)
         assert core.model.attention_layers()[0].k_cache.shape[2] == kv_heads
