@@ -379,6 +379,8 @@ class _Context:
             args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
         if spec.resources.gpus:
             args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        if spec.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
         if not engine.enable_prefix_caching:
             args.append("--no-enable-prefix-caching")
         elif spec.router.strategy == "kv-events":  # the router subscribes to them (router/kv_events.py)
@@ -477,10 +479,11 @@ class _Context:
             cache_volume = {"name": "cache", "persistentVolumeClaim": {"claimName": cache_name(self.name)}}
         else:
             cache_volume = {"name": "cache", "emptyDir": {}}
+        shm_limit = res.shm_limit(spec.tensor_parallel_size)
         volumes = [
             cache_volume,
             {"name": "tmp", "emptyDir": {}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": res.shm_size}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}},
             *model_volumes,
             *adapter_volumes,
         ]

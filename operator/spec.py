@@ -113,7 +113,10 @@ class Resources(CamelModel):
         None,
         description="Memory request and limit per engine replica (default 16Gi with GPUs, 4Gi without).",
     )
-    shm_size: Quantity = Field("1Gi", description="Size of the memory-backed /dev/shm.")
+    shm_size: Quantity | None = Field(
+        None,
+        description="Size of the memory-backed /dev/shm (default 1Gi per tensor-parallel rank, for NCCL).",
+    )
 
     @field_validator("cpu", "memory", "shm_size", mode="before")
     @classmethod
@@ -127,6 +130,14 @@ class Resources(CamelModel):
     @property
     def memory_request(self) -> str:
         return self.memory or ("16Gi" if self.gpus else "4Gi")
+
+    def shm_limit(self, tensor_parallel_size: int) -> str:
+        """/dev/shm's sizeLimit. NCCL keeps buffers there wherever GPUs exchange through host memory (its
+        SHM transport and its proxy's host buffers: NCCL_BUFFSIZE, 4 MiB, per channel and direction, for
+        each of up to 32 channels to each peer, some hundreds of MiB per rank), and torch shares tensors
+        there: 1 GiB per rank holds that with room. A memory-backed emptyDir's limit is a cap, not a
+        reservation: only what is written counts against the pod's memory."""
+        return self.shm_size or f"{tensor_parallel_size}Gi"
 
 
 class Engine(CamelModel):
@@ -375,6 +386,11 @@ class ModelDeploymentSpec(CamelModel):
                     "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero",
                 )["x-kubernetes-validations"],
                 *cel(
+                    "!has(self.tensorParallelSize) || !has(self.resources) || !has(self.resources.gpus)"
+                    " || self.resources.gpus == 0 || self.resources.gpus >= self.tensorParallelSize",
+                    "spec.resources.gpus must be >= spec.tensorParallelSize (one GPU per rank)",
+                )["x-kubernetes-validations"],
+                *cel(
                     "!has(self.servedModelName) || !has(self.adapters)"
                     " || self.adapters.all(a, a.name != self.servedModelName)",
                     "spec.adapters[].name must differ from spec.servedModelName",
@@ -413,6 +429,15 @@ class ModelDeploymentSpec(CamelModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
     resources: Resources = Field(default_factory=Resources, json_schema_extra=SERVER_DEFAULT_OBJECT)
+    tensor_parallel_size: Int32 = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "--tensor-parallel-size: GPUs (ranks) one engine replica splits the model across, one process"
+            " each; resources.gpus must be at least this. With gpus 0 the ranks share the pod's CPUs (gloo)."
+        ),
+    )
     engine: Engine = Field(default_factory=Engine, json_schema_extra=SERVER_DEFAULT_OBJECT)
     router: Router = Field(default_factory=Router, json_schema_extra=SERVER_DEFAULT_OBJECT)
     model_cache: ModelCache | None = Field(
@@ -466,6 +491,15 @@ class ModelDeploymentSpec(CamelModel):
         scaling = self.autoscaling
         if scaling is not None and scaling.min_replicas < 1 and self.scale_from_zero is None:
             raise ValueError("autoscaling.minReplicas 0 needs spec.scaleFromZero")
+        return self
+
+    @model_validator(mode="after")
+    def _gpus_for_ranks(self) -> ModelDeploymentSpec:
+        gpus, ranks = self.resources.gpus, self.tensor_parallel_size
+        if gpus and gpus < ranks:
+            raise ValueError(
+                f"resources.gpus ({gpus}) must be >= tensorParallelSize ({ranks}): one GPU per rank"
+            )
         return self
 
     @model_validator(mode="after")

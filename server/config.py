@@ -68,6 +68,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: list[LoRAModulePath] | None = None
+    # Ranks one model is split across (Megatron's tensor parallelism, server/distributed/): one process
+    # per rank, rank 0 in the engine's; gloo between CPU ranks, NCCL between GPUs cuda:0 .. cuda:N-1.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -115,6 +118,28 @@ class EngineConfig:
                 "generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                 f"got {self.generation_config!r}"
             )
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What does not run split across ranks yet is refused here, never run wrong."""
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return
+        refused = {
+            "enable_lora (LoRA adapters)": self.enable_lora,
+            f"quantization {self.quantization!r}": self.quantization is not None,
+            f"kv_cache_dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype != "auto",
+            f"device {self.device!r} (rank r runs on cuda:r: use 'cuda' or 'auto')":
+                self.device.startswith("cuda:"),
+        }
+        for name, requested in refused.items():
+            if requested:
+                raise ValueError(f"tensor_parallel_size {size} does not support {name} yet")
+        if self.torch_device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, "
+                             f"{torch.cuda.device_count()} are visible")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

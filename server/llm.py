@@ -23,6 +23,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """With ``tensor_parallel_size`` > 1: stop the other ranks' processes now, not at exit."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import textwrap
+import threading
 from collections.abc import Iterator
 
 from pagedserve.server.api.chat_template import TemplateLimits
@@ -184,6 +185,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantize the weights at load: int8 (weight-only, per output channel); default none",
     )  # fmt: skip
     engine.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+        help="split the model across N ranks, one process each (gloo on the CPU, NCCL on GPUs 0..N-1); "
+        "N must divide the query heads, and divide or be divided by the KV heads",
+    )  # fmt: skip
+    engine.add_argument(
         "--enable-lora",
         action="store_true",
         help="serve LoRA adapters (PEFT folders or HF ids) on the base model: a request's model names one; "
@@ -235,6 +241,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=args.lora_modules,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -263,7 +270,11 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.server.api.app import ServerSettings, build_app
     from pagedserve.server.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(config)
+    try:
+        engine = AsyncEngine.from_config(config)
+    except ValueError as exc:  # a model the configuration cannot run (e.g. heads that do not split)
+        log.error("cannot start the engine: %s", exc)
+        return 2
     settings = ServerSettings(
         served_model_names=args.served_model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -295,8 +306,25 @@ def run(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
+    engine.on_fatal = lambda error: _exit_on_fatal(server, error, log)
     server.run()
+    if engine.fatal_error is not None:
+        log.error("the server stopped because the engine failed: %s", engine.fatal_error)
+        return 1
     return 0 if server.started else 1
+
+
+FATAL_EXIT_S = 10.0  # after an engine failure, the most the orderly stop may take before a hard exit
+
+
+def _exit_on_fatal(server, error: BaseException, log: logging.Logger) -> None:
+    """The engine cannot go on (a tensor-parallel rank died): stop serving now, exit non-zero. A stop
+    stuck in a collective with the dead rank ends with a hard exit after FATAL_EXIT_S."""
+    log.error("stopping the server: %s", error)
+    server.should_exit = True
+    timer = threading.Timer(FATAL_EXIT_S, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
 
 
 def _graceful_server(stop, config):  # (GracefulStop, uvicorn.Config) -> uvicorn.Server

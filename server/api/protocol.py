@@ -693,3 +693,4 @@ class VersionResponse(OpenAIBaseModel):
     architectures: list[str] = []  # the model architectures this server can load (server/models/registry.py)
     enable_lora: bool = False  # LoRA adapters can be served (--enable-lora)
     max_loras: int | None = None  # adapters in one batch (--max-loras); None without LoRA
+    tensor_parallel_size: int = 1  # ranks the model is split across (--tensor-parallel-size)

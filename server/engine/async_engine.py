@@ -18,11 +18,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.exceptions import EngineDeadError, StepError
+from pagedserve.server.engine.exceptions import EngineDeadError, RankDiedError, StepError
 from pagedserve.server.engine.kv_events import KVEventPublisher
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
@@ -106,6 +106,14 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._stats = core.stats()
         self._last_log = (time.monotonic(), 0)
+        # Set once the engine cannot go on (a tensor-parallel rank died); on_fatal(error) is then called
+        # once, from whichever thread noticed: the server uses it to exit (server/api/cli.py).
+        self.fatal_error: EngineDeadError | None = None
+        self.on_fatal: Callable[[EngineDeadError], None] | None = None
+        self._fatal_lock = threading.Lock()  # the watcher and the engine thread may both notice
+        ranks = getattr(core, "ranks", None)
+        if ranks is not None:
+            ranks.on_death = lambda message: self._die(RankDiedError(message))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -173,6 +181,9 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        shutdown_core = getattr(self.core, "shutdown", None)
+        if shutdown_core is not None:  # the other tensor-parallel ranks
+            await asyncio.to_thread(shutdown_core)
 
     def is_healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
@@ -288,9 +299,37 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------------------
 
+    def _die(self, error: EngineDeadError) -> None:
+        """The engine cannot go on: fail every stream, stop the loop, tell the server (any thread)."""
+        with self._fatal_lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = error
+        logger.error("the engine cannot go on: %s", error)
+        self._stopping.set()
+        self._wakeup.set()
+        if self._loop is not None:
+            self._to_loop(self._fail_all_streams, error)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _fail_all_streams(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            self._release(stream.request_id, abort=False)
+            stream.queue.put_nowait(error)
+
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except EngineDeadError as exc:
+            self._die(exc)
+
+    def _loop_steps(self) -> None:
         core = self.core
+        check_ranks = getattr(core, "check_ranks", None)
         while not self._stopping.is_set():
+            if check_ranks is not None:
+                check_ranks()
             self._drain_commands()
             self._hand_over_kv_events()
             if not core.has_unfinished():
@@ -300,6 +339,8 @@ class AsyncEngine:
                 continue
             try:
                 core_outputs = core.step()
+            except EngineDeadError:
+                raise
             except StepError as exc:
                 if exc.outputs:  # the step's requests that did not fail
                     self._to_loop(self._on_step, exc.outputs)

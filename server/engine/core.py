@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from pagedserve.server.backend import select_backend
@@ -23,7 +23,7 @@ from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, LoRAStats
-from pagedserve.server.engine.exceptions import StepError
+from pagedserve.server.engine.exceptions import EngineDeadError, StepError
 from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request, RequestStatus
 from pagedserve.server.spec_decode.metrics import SpecDecodingStats
@@ -32,6 +32,7 @@ from pagedserve.server.worker.model_runner import ModelRunner
 from pagedserve.server.worker.sampler import SampledToken
 
 if TYPE_CHECKING:
+    from pagedserve.server.distributed.driver import TPDriver
     from pagedserve.server.lora.manager import LoRAManager
     from pagedserve.server.lora.peft import AdapterWeights
 
@@ -83,26 +84,62 @@ class EngineCore:
     # ---- set-up -------------------------------------------------------------------------------------
 
     def _load_model_and_runner(self) -> None:
-        """Weights, the KV cache size that fits beside them, max_model_len, and the model runner."""
-        from pagedserve.server.loader import load_model, resolve_model
+        """Weights, the KV cache size that fits beside them, max_model_len, and the model runner; under
+        tensor parallelism the other ranks first (each loads its own shard meanwhile)."""
+        from pagedserve.server.loader import resolve_model
 
         config = self.config
         self.model_path = Path(resolve_model(config.model))
         self.kv_cache_dtype = config.torch_kv_cache_dtype
         self.backend = select_backend(self.device, self.dtype, config.attention_backend, self.kv_cache_dtype)
         config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
+        self.ranks = self._start_ranks()
+        try:
+            self._load_shard_and_runner()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_ranks(self) -> TPDriver | None:
+        """The other tensor-parallel ranks, started and joined; None on one rank. A model that does not
+        split across them is refused first, naming its head counts, before any process starts."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        from pagedserve.server.distributed.driver import TPDriver
+        from pagedserve.server.distributed.parallel_state import check_tensor_parallel
+        from pagedserve.server.loader import load_config
+
+        check_tensor_parallel(load_config(self.model_path), size)
+        spec = dict(model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type,
+                    backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, seed=self.config.seed)
+        return TPDriver.start(spec, size)
+
+    def _load_shard_and_runner(self) -> None:
+        """This rank's model (its shard under tensor parallelism), the KV cache, the runner."""
+        from pagedserve.server.loader import load_model
+
+        config = self.config
         self.model, self.hf_config = load_model(
-            self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization
+            self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization,
+            tp=self.ranks.tp if self.ranks is not None else None,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.lora = self._make_lora_manager()
-        num_kv_heads, head_dim = _kv_shape(self.hf_config)
+        # This rank's KV heads: a shard of every block under tensor parallelism.
+        layer = self.model.attention_layers()[0]
+        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         num_layers = len(self.model.attention_layers())
         block_bytes = ModelRunner.bytes_per_block(
             num_layers, config.block_size, num_kv_heads, head_dim, self.kv_cache_dtype
         )
         self.num_blocks = self._num_blocks(block_bytes)
         self._resolve_max_model_len()
+        if self.ranks is not None:
+            from pagedserve.server.distributed.worker import RunnerSetup
+
+            self.ranks.setup(RunnerSetup(self.num_blocks, config.block_size, config.max_num_seqs,
+                                         config.max_model_len or 0))
         self.runner = ModelRunner(
             self.model,
             self.backend,
@@ -114,10 +151,22 @@ class EngineCore:
             self.device,
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len or 0,
-            enforce_eager=config.enforce_eager or self.lora is not None,
+            # CUDA graphs do not capture the ranks' commands: tensor parallelism runs eagerly, for now.
+            enforce_eager=config.enforce_eager or self.lora is not None or self.ranks is not None,
             calculate_kv_scales=config.calculate_kv_scales,
             lora=self.lora,
+            ranks=self.ranks,
         )
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.stop()
+
+    def check_ranks(self) -> None:
+        """RankDiedError (an EngineDeadError) once a tensor-parallel rank has died."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
 
     def _make_lora_manager(self) -> LoRAManager | None:
         """The adapters' slots and caches, and the ``lora_modules`` read at start; None without LoRA."""
@@ -184,6 +233,12 @@ class EngineCore:
         """What is left of ``gpu_memory_utilization`` after the weights and a profiled largest step."""
         from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
 
+        if self.ranks is not None:  # every rank profiles its own shard; the smallest budget is everyone's
+            from pagedserve.server.distributed.worker import KVBudgetRequest
+
+            request = KVBudgetRequest(self.config.batched_tokens, self.config.max_num_seqs,
+                                      self.config.gpu_memory_utilization)
+            return self.ranks.kv_budget(self.model, request)
         peak = profile_activation_peak(self.model, self.config.batched_tokens, self.config.max_num_seqs)
         return kv_cache_budget(self.device, self.config.gpu_memory_utilization, peak)
 
@@ -240,7 +295,10 @@ class EngineCore:
         active_loras = self.scheduler.active_loras() if self.lora is not None else None
         try:
             sampled = self.runner.execute(plan.scheduled, block_ids, active_loras)
+        except EngineDeadError:
+            raise  # a tensor-parallel rank died: no step can run again
         except Exception as exc:
+            self.check_ranks()  # a collective failed because a rank died: that, not this step, is the error
             raise self._fail_step([s.request for s in plan.scheduled], exc) from exc
         for item in plan.scheduled:
             # Drafts count as computed only once accepted, below: a rejected draft's KV slot is rewritten.
@@ -379,9 +437,3 @@ class EngineCore:
 def _adapter_names(requests: Iterable[Request]) -> list[str]:
     return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
-
-def _kv_shape(hf_config: Any) -> tuple[int, int]:
-    num_heads = int(hf_config.num_attention_heads)
-    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-    return num_kv_heads, head_dim

@@ -38,3 +38,8 @@ class StepError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop is not running: nothing can be added."""
+
+
+class RankDiedError(EngineDeadError):
+    """A tensor-parallel rank died (server/distributed/driver.py): no step can run again, the server
+    exits."""

@@ -69,6 +69,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (also done at exit)."""
+        self.core.shutdown()
+
     def step(self) -> list[RequestOutput]:
         """One core step; the outputs of the requests it advanced (as each one's output_kind asks)."""
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from pagedserve.server.backend import Backend
+    from pagedserve.server.distributed.parallel_state import TensorParallel
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -50,27 +51,35 @@ def load_model(
     backend: Backend,
     load_format: str = "auto",
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build the model for the folder's config on ``device``, running ``backend``'s kernels
     (server/backend.py), and load its weights: ``(model, hf_config)``.
 
     ``quantization`` (server/layers/quantization/, e.g. "int8") switches the projections to that weight
     format before loading, so each checkpoint tensor is quantized as it is read (no fp32 copy of the
-    model). ``load_format="dummy"`` skips the checkpoint and fills the weights with small random values (for
-    benchmarks of large shapes from a config.json alone). The model is in eval mode; call it under
+    model). ``tp``: this rank's place under tensor parallelism (server/distributed/): the model holds
+    only its shard, cut from each checkpoint tensor as it is read. ``load_format="dummy"`` skips the
+    checkpoint and fills the weights with small random values (for benchmarks of large shapes from a
+    config.json alone). The model is in eval mode; call it under
     ``torch.inference_mode()``.
     """
+    from pagedserve.server.distributed.parallel_state import SINGLE, building, check_tensor_parallel
     from pagedserve.server.layers.quantization import quantize_linears
     from pagedserve.server.models.registry import build_model
 
     device = torch.device(device)
     hf_config = load_config(path)
-    model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
+    tp = tp or SINGLE
+    check_tensor_parallel(hf_config, tp.size)
+    with building(tp):
+        model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
     quantize_linears(model, quantization, backend.kernels)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif load_format == "auto":
-        model.load_weights(iterate_weights(path))
+        # Under tensor parallelism each rank reads only its piece of each split tensor.
+        model.load_weights(iterate_weights(path, model.checkpoint_piece if tp.size > 1 else None))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval(), hf_config
@@ -90,8 +99,12 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, cpu tensor)`` for every tensor of the checkpoint, with a progress bar."""
+def iterate_weights(
+    path: str | Path, piece_of: Callable[[str], tuple[int, int, int] | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, cpu tensor)`` for every tensor of the checkpoint, with a progress bar. ``piece_of(name)``:
+    (dim, start, size) to read of that tensor, None for all of it (safetensors only: a ``.bin`` is read
+    whole, and the layer cuts it)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -108,8 +121,16 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, handle.get_tensor(name)
+                    piece = piece_of(name) if piece_of is not None else None
+                    yield name, handle.get_tensor(name) if piece is None else _read_piece(handle, name, piece)
                     bar.update()
+
+
+def _read_piece(handle: Any, name: str, piece: tuple[int, int, int]) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) ``start:start+size`` of a safetensors tensor, reading only those."""
+    dim, start, size = piece
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return handle.get_slice(name)[index]
 
 
 @torch.no_grad()

@@ -36,8 +36,9 @@ from typing import Any, ClassVar
 
 import torch
 from pagedserve.server.backend import Backend
+from pagedserve.server.distributed import parallel_state
 from pagedserve.server.layers.attention import Attention, AttentionMetadata
-from pagedserve.server.layers.linear import Linear
+from pagedserve.server.layers.linear import Linear, VocabEmbedding
 from pagedserve.server.layers.rotary import rope_parameters
 from pagedserve.server.models.decoder import DecoderModel, GatedMLP
 from pagedserve.server.models.spec import DecoderSpec, llama_spec_fields
@@ -76,6 +77,8 @@ class DecoderForCausalLM(nn.Module):
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # The decoder layers' projections a LoRA adapter may change (server/lora/manager.py)
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    # Whether the model splits across tensor-parallel ranks (server/distributed/): heads, MLP, vocabulary.
+    supports_tensor_parallel: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -104,11 +107,14 @@ class DecoderForCausalLM(nn.Module):
             device,
         )
         self.max_position = self.model.max_position
-        self.lm_head = (
-            None
-            if spec.tie_word_embeddings
-            else Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
-        )
+        # Untied: a projection, vocabulary-parallel under tensor parallelism as the tied embedding is.
+        self.lm_head: Linear | VocabEmbedding | None = None
+        if not spec.tie_word_embeddings:
+            self.lm_head = (
+                Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+                if parallel_state.current().size == 1
+                else VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+            )
 
     # ---- what a family overrides -----------------------------------------------------------------
 
@@ -137,10 +143,14 @@ class DecoderForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``."""
-        head = self.model.embed_tokens.as_head if self.lm_head is None else self.lm_head
-        logits = head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``.
+        Under tensor parallelism every rank must call it; only rank 0 gets the logits, the others None."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        logits = head.as_head(hidden) if isinstance(head, VocabEmbedding) else head(hidden)
+        if logits is None:
+            return None
+        logits = logits.float()
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
         cap = self.spec.final_logit_softcap
@@ -179,6 +189,20 @@ class DecoderForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: {shown}")
+
+    def checkpoint_piece(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, size) of checkpoint tensor ``name`` that this tensor-parallel rank holds, so the
+        loader reads only that; None: the whole tensor (one rank, or a parameter every rank holds)."""
+        key = self.route_weight(name)
+        if key is None:
+            return None
+        module_path, param_name, shard = key
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return None  # load_weights names the unknown tensor
+        piece = getattr(module, "checkpoint_piece", None)
+        return piece(param_name, shard) if piece is not None else None
 
     def route_weight(self, name: str) -> WeightKey | None:
         """Checkpoint tensor name -> (module path, parameter, shard), or None for a tensor to skip."""

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from pagedserve.server.distributed import parallel_state
 from pagedserve.server.layers.activation import get_act_and_mul
 from pagedserve.server.layers.attention import Attention, AttentionMetadata
 from pagedserve.server.layers.linear import Linear, VocabEmbedding
@@ -58,12 +59,19 @@ class DecoderAttention(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # This rank's heads (all of them on one rank): query heads split, KV heads split too or, when
+        # there are fewer than ranks, each held by the ranks whose query heads read it.
+        tp = parallel_state.current()
+        kv_pieces = min(tp.size, spec.num_kv_heads)
+        self.num_heads = spec.num_heads // tp.size
+        self.num_kv_heads, self.head_dim = spec.num_kv_heads // kv_pieces, spec.head_dim
+        self.q_size, self.kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
+        full_q, full_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(
-            spec.hidden_size, [self.q_size, self.kv_size, self.kv_size], spec.qkv_bias, dtype, device
+            spec.hidden_size, [full_q, full_kv, full_kv], spec.qkv_bias, dtype, device,
+            parallel="column", part_pieces=[tp.size, kv_pieces, kv_pieces],
         )
-        self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
+        self.o_proj = Linear(full_q, spec.hidden_size, spec.o_bias, dtype, device, parallel="row")
         self.qk_norm = spec.qk_norm
         if spec.qk_norm is not None:
             q_norm_size, k_norm_size = (
@@ -73,8 +81,8 @@ class DecoderAttention(nn.Module):
             self.k_norm = make_norm(spec, k_norm_size, kernels, dtype, device)
         scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self.attn = Attention(
-            spec.num_heads,
-            spec.num_kv_heads,
+            self.num_heads,
+            self.num_kv_heads,
             spec.head_dim,
             scale,
             kernels,
@@ -112,8 +120,10 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, [size, size], spec.mlp_bias, dtype, device)
-        self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, device)
+        self.gate_up_proj = Linear(
+            spec.hidden_size, [size, size], spec.mlp_bias, dtype, device, parallel="column"
+        )
+        self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, device, parallel="row")
         self.act_fn = get_act_and_mul(spec.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

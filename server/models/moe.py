@@ -51,6 +51,8 @@ def split_stacked_experts(
 class MoEMixin:
     """Put before a ``DecoderForCausalLM`` family in the bases; define ``moe_spec``."""
 
+    supports_tensor_parallel = False  # the experts are not split across ranks yet
+
     @classmethod
     def moe_spec(cls, hf_config: Any, num_layers: int) -> MoESpec:
         raise NotImplementedError

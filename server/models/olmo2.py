@@ -10,6 +10,9 @@ from pagedserve.server.models.spec import DecoderSpec, llama_spec_fields
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
+    # Its q/k norms span every head, so split heads would need a sum over the ranks: not done yet.
+    supports_tensor_parallel = False
+
     @classmethod
     def spec_from_config(cls, hf_config: Any) -> DecoderSpec:
         fields = llama_spec_fields(hf_config)

@@ -12,6 +12,7 @@ position gets logits; server/spec_decode/rejection_sampler.py keeps the drafts t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from pagedserve.server.backend import Backend
@@ -30,12 +31,23 @@ from pagedserve.server.worker.prompt_logprobs import (
 from pagedserve.server.worker.sampler import SampledToken, sample_each
 from torch import nn
 
+if TYPE_CHECKING:
+    from pagedserve.server.distributed.driver import TPDriver
+
 
 @dataclass
-class StepInputs:
+class ModelInputs:
+    """What the forward pass of a step reads; under tensor parallelism rank 0 sends it whole to every
+    other rank (server/distributed/driver.py), so a per-step input added here reaches them all."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    model: ModelInputs
     sample_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled_requests: list[Request]
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
@@ -63,16 +75,20 @@ class ModelRunner:
         enforce_eager: bool = False,
         calculate_kv_scales: bool = False,
         lora: LoRAManager | None = None,
+        ranks: TPDriver | None = None,
     ) -> None:
         """``dtype``: the KV cache's (``EngineConfig.torch_kv_cache_dtype``), which may be FP8 while the
         model computes in another. ``calculate_kv_scales``: the first prefill after start-up sets each
         layer's FP8 scales (server/layers/attention.py); armed after graph capture, whose dummy steps
         must not set them. ``lora``: the adapters' slots (server/lora/manager.py); the runner sets the
-        step's token -> slot mapping, and the engine runs such a model without CUDA graphs."""
+        step's token -> slot mapping, and the engine runs such a model without CUDA graphs. ``ranks``:
+        the other tensor-parallel ranks (server/distributed/driver.py), told of every model call first;
+        None on one rank."""
         if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
             raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
         self.model = model
         self.lora = lora
+        self.ranks = ranks
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -107,25 +123,36 @@ class ModelRunner:
         inputs = self.prepare(scheduled, block_ids)
         if self.lora is not None:
             self._set_lora_mapping(inputs.ordered, active_loras or set())
-        if self.graphs is not None and self.graphs.fits(inputs.meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.ranks is not None:
+            self.ranks.forward(inputs.model)
+        hidden = self.run_model(inputs.model)
         # After the launch: on a GPU the matchers' CPU work overlaps the forward pass.
         grammar = fill_grammar_bitmask(inputs.sampled_requests)
         if grammar is not None:
             grammar.bits = self._to_device(grammar.bits)
         for rows in inputs.prompt_logprob_rows:
-            record_prompt_logprobs(self.model, hidden, rows)
+            record_prompt_logprobs(self.compute_logits, hidden, rows)
         results: StepResult = []
         if inputs.sampled_requests:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+            logits = self.compute_logits(hidden.index_select(0, inputs.sample_indices))
             sampled = sample_each(logits, inputs.sampled_requests, grammar)
             results = [(r, t if isinstance(t, Exception) else [t])
                        for r, t in zip(inputs.sampled_requests, sampled, strict=True)]
         if inputs.spec_requests:
             results.extend(self._verify(hidden, inputs))
         return results
+
+    def run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others)."""
+        if self.graphs is not None and self.graphs.fits(inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of ``hidden``'s rows, the other ranks' vocabulary slices gathered here."""
+        if self.ranks is not None:
+            self.ranks.logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _set_lora_mapping(self, ordered: list[ScheduledRequest], active_loras: set[int]) -> None:
         """Each token's adapter slot (-1: the base model), in the flattened batch's order; None when the
@@ -142,7 +169,7 @@ class ModelRunner:
 
     def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> StepResult:
         spec_rows = self._to_device(torch.tensor(inputs.spec_indices, dtype=torch.long))
-        logits = self.model.compute_logits(hidden.index_select(0, spec_rows))
+        logits = self.compute_logits(hidden.index_select(0, spec_rows))
         results: StepResult = []
         first = 0
         for item in inputs.spec_requests:
@@ -207,9 +234,7 @@ class ModelRunner:
             prefill_context_lens=to(lens_t[num_decodes:]),
         )
         return StepInputs(
-            input_ids=to(torch.tensor(token_ids, dtype=torch.long)),
-            positions=to(position_t),
-            meta=meta,
+            model=ModelInputs(to(torch.tensor(token_ids, dtype=torch.long)), to(position_t), meta),
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,

@@ -10,6 +10,7 @@ prompt never holds a ``[prompt_len, vocab]`` tensor at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,16 @@ def prompt_logprob_rows(request: Request, row: int, start: int, end: int) -> Pro
     return PromptLogprobRows(request, row + first - start, first, last)
 
 
-def record_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, rows: PromptLogprobRows) -> None:
+def record_prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, rows: PromptLogprobRows
+) -> None:
+    """``compute_logits``: the runner's (it reaches every tensor-parallel rank)."""
     request = rows.request
     assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
     for first in range(rows.first, rows.last, ROWS_PER_SLICE):
         last = min(first + ROWS_PER_SLICE, rows.last)
         row = rows.row + first - rows.first
-        logits = model.compute_logits(hidden[row : row + last - first])
+        logits = compute_logits(hidden[row : row + last - first])
         targets = request.prompt_token_ids[first + 1 : last + 1]
         request.prompt_logprobs.extend(
             token_logprobs(torch.log_softmax(logits, dim=-1), targets, request.params.prompt_logprobs)

@@ -1,8 +1,8 @@
 """The one parity check every family's test uses: our engine's greedy tokens against HF Transformers'.
 
-``tiny_checkpoint(config, folder)`` builds a seeded random-weight model from a family's own config class
-(every parameter random, norms near 1), saves it with ``save_pretrained`` beside the tiny byte-level
-tokenizer (pagedserve/testing/tiny_tokenizer.py), and returns the HF model. ``assert_greedy_parity``
+``tiny_checkpoint(config, folder)`` (pagedserve/testing/tiny_models.py) builds a seeded random-weight
+model from a family's own config class (every parameter random, norms near 1), saves it with
+``save_pretrained`` beside the tiny byte-level tokenizer, and returns the HF model. ``assert_greedy_parity``
 then runs HF's greedy ``generate`` (eager attention, KV cache, one prompt at a time) and our ``LLM``
 (batched prompts, chunked prefill through a small ``max_num_batched_tokens``, prefix caching on and hit
 by a second round of prompts sharing the first round's prefixes) and asserts equal tokens and close
@@ -11,7 +11,6 @@ logprobs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,54 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.testing.tiny_tokenizer import build_tiny_tokenizer
+from pagedserve.testing.tiny_models import TINY, TINY_VOCAB, random_hf_model, tiny_checkpoint
 
-# The tiny tokenizer's ids: 256 bytes and 3 special tokens. Model vocabularies are exactly this, so every
-# sampled id detokenizes.
-TINY_VOCAB = 259
-# What every tiny config shares (a family test adds its heads and quirks).
-TINY = dict(
-    vocab_size=TINY_VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    max_position_embeddings=256,
-)
-
-
-def random_hf_model(config, seed: int = 0):
-    """An HF model (eager attention) whose every parameter, biases and norm weights too, is random and
-    O(1)-safe. ``config.architectures`` must name the class."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                # Gemma's norms are x * (1 + w): centre them on 1 as well.
-                centre = 0.0 if _norm_adds_one(model) else 1.0
-                param.copy_(centre + 0.2 * noise)
-            elif param.dim() == 1:
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(noise / math.sqrt(param.shape[-1]))
-    return model
-
-
-def _norm_adds_one(model) -> bool:
-    return model.config.model_type.startswith("gemma")
-
-
-def tiny_checkpoint(config, folder: Path, seed: int = 0):
-    """Save a random model of ``config`` and the tiny tokenizer into ``folder``; returns the HF model."""
-    hf = random_hf_model(config, seed)
-    hf.save_pretrained(folder)
-    build_tiny_tokenizer(folder)
-    return hf
+__all__ = ["TINY", "TINY_VOCAB", "random_hf_model", "tiny_checkpoint"]
 
 
 def checkpoint_fixture(cases: dict[str, Callable[[], Any]], name: str):

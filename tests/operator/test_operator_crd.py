@@ -147,6 +147,8 @@ def test_design_example_is_accepted() -> None:
         ),
         ({"model": "pvc://Not_A_Claim/x"}, "spec.model"),
         ({"autoscaling__minReplicas": 0}, "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero"),
+        ({"tensorParallelSize": 2}, "spec.resources.gpus must be >= spec.tensorParallelSize"),
+        ({"tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"scaleFromZero": {"scaleDownDelaySeconds": 0}}, "spec.scaleFromZero.scaleDownDelaySeconds"),
         ({"scaleFromZero": {"maxHeldRequests": 0}}, "spec.scaleFromZero.maxHeldRequests"),
     ],
@@ -183,6 +185,8 @@ def test_immutable_cache_fields_on_update() -> None:
         {"model": "m", "autoscaling": {"maxReplicas": 3}, "modelCache": {}, "apiKeySecret": {"name": "k"}},
         {"model": "m", "resources": {"cpu": 8, "memory": "1Gi"}, "router": {"resources": {"cpu": "500m"}}},
         {"model": "m", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "scaleFromZero": {}},
+        {"model": "m", "tensorParallelSize": 2, "resources": {"gpus": 2}},
+        {"model": "embedded", "tensorParallelSize": 3, "resources": {"gpus": 0}},  # CPU ranks: no GPUs
     ],
 )
 def test_crd_defaults_agree_with_the_typed_spec(spec: dict[str, Any]) -> None:

@@ -50,6 +50,8 @@ SPECS: dict[str, dict[str, Any]] = {
         scaleFromZero={"scaleDownDelaySeconds": 120, "maxHeldRequests": 50},
     ),
     "lora-adapters": md(**LORA_SPEC),
+    "tensor-parallel": md(tensorParallelSize=4, resources={"gpus": 4}),
+    "tensor-parallel-cpu": md(model="embedded", tensorParallelSize=3, resources={"gpus": 0}),
     "extra-args": md(
         engine={
             "extraArgs": ["--enforce-eager", "--seed", "7"],
@@ -72,6 +74,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "full": md(
         servedModelName="llama",
         replicas=3,
+        tensorParallelSize=2,
         image="registry.example/pagedserve:0.1.0",
         imagePullPolicy="IfNotPresent",
         imagePullSecrets=[{"name": "registry"}],
@@ -471,6 +474,8 @@ def test_cpu_engines_get_the_cpu_flavour_by_default() -> None:
         ({"model": "m", "resources": {"gpus": -1}}, "spec.resources.gpus"),
         ({"model": "m", "resources": {"memory": "lots"}}, "spec.resources.memory"),
         ({"model": "m", "bogus": True}, "spec.bogus"),
+        ({"model": "m", "tensorParallelSize": 0}, "spec.tensorParallelSize"),
+        ({"model": "m", "tensorParallelSize": 2}, "resources.gpus (1) must be >= tensorParallelSize (2)"),
     ],
 )
 def test_bad_specs_are_rejected_naming_the_field(spec: dict[str, Any], field: str) -> None:
@@ -499,3 +504,34 @@ def test_kv_events_strategy_turns_on_the_engines_kv_events() -> None:
     # Without prefix caching there is nothing to publish: the router falls back to prefix-hash.
     no_cache = render(md(router={"strategy": "kv-events"}, engine={"enablePrefixCaching": False}))
     assert "--enable-kv-events" not in container(no_cache, "llama-8b-engine")["args"]
+
+
+def test_tensor_parallel_engine_gets_its_gpus_flag_and_shared_memory() -> None:
+    """N ranks: the flag, N GPUs requested, /dev/shm sized 1Gi per rank for NCCL unless shmSize says."""
+    children = render(SPECS["tensor-parallel"])
+    engine = container(children, "llama-8b-engine")
+    pod = by_kind(children)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
+    args = engine["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]
+    assert shm == {"medium": "Memory", "sizeLimit": "4Gi"}
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm"
+    pinned = md(tensorParallelSize=4, resources={"gpus": 8, "shmSize": "2Gi"})
+    pod = by_kind(render(pinned))[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "2Gi"
+    # one rank: no flag, the 1Gi /dev/shm as before
+    single = render(SPECS["defaults"])
+    assert "--tensor-parallel-size" not in container(single, "llama-8b-engine")["args"]
+    pod = by_kind(single)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "1Gi"
+
+
+def test_tensor_parallel_on_cpu_needs_no_gpus() -> None:
+    engine = container(render(SPECS["tensor-parallel-cpu"]), "llama-8b-engine")
+    args = engine["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "3"
+    assert args[args.index("--device") + 1] == "cpu"
+    assert not any("gpu" in key for key in engine["resources"]["requests"])

@@ -1,0 +1,179 @@
+"""Rank 0 of a tensor-parallel engine, in the engine process (vLLM V0's driver worker), and the other
+ranks' processes.
+
+``TPDriver.start`` spawns ranks 1 .. N-1 (server/distributed/worker.py), joins the group with them and
+watches them. The model runner (server/worker/model_runner.py) then sends each model call through it
+before running its own part: ``forward(inputs)`` (the step's inputs, whole) and ``logits(hidden)`` (the
+rows whose logits rank 0 needs); every rank runs the same collectives in the same order.
+
+A rank that dies ends the engine: a thread waits on the workers' sentinels, logs which rank died and
+calls ``on_death`` (the server stops, server/engine/async_engine.py); a collective already waiting on the
+dead rank fails (gloo sees the closed connection; every collective also has the group's timeout). The
+workers watch their parent in turn, so a dead engine leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pagedserve.server.distributed.collectives import broadcast_tensor
+from pagedserve.server.distributed.messages import Command, move_tensors
+from pagedserve.server.distributed.parallel_state import TensorParallel
+from pagedserve.server.distributed.worker import (
+    KVBudgetRequest,
+    RunnerSetup,
+    WorkerSpec,
+    init_group,
+    kv_budget,
+    run_worker,
+)
+from pagedserve.server.engine.exceptions import RankDiedError
+
+logger = logging.getLogger("pagedserve.tp")
+
+# Every collective's bound: generous, since a rank may still be loading its shard of a large model when
+# rank 0 first sends. A dead rank is noticed at once through its sentinel, not through this.
+TIMEOUT_S = 1800.0
+STOP_TIMEOUT_S = 10.0
+
+
+class TPDriver:
+    def __init__(self, spec: WorkerSpec, workers: list[Any], tp: TensorParallel) -> None:
+        self.spec, self.workers, self.tp = spec, workers, tp
+        self.on_death: Callable[[str], None] | None = None
+        self.death: str | None = None  # why the engine cannot go on, once a rank died
+        self._stopping = False
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+        atexit.register(self.stop)
+
+    @classmethod
+    def start(cls, spec_fields: dict[str, Any], size: int) -> TPDriver:
+        """Spawn ranks 1 .. size-1 and join the group as rank 0 (ValueError if a group already exists)."""
+        if dist.is_initialized():
+            raise ValueError("one tensor-parallel engine per process: a process group already exists")
+        spec = WorkerSpec(**spec_fields, size=size, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                          timeout_s=TIMEOUT_S)
+        context = multiprocessing.get_context("spawn")
+        workers = [
+            context.Process(target=run_worker, args=(rank, spec), name=f"pagedserve-tp{rank}", daemon=True)
+            for rank in range(1, size)
+        ]
+        for worker in workers:
+            worker.start()
+        logger.info("tensor parallel: %d ranks, workers %s", size, [w.pid for w in workers])
+        try:
+            tp = _join_watching(spec, workers)
+        except BaseException:
+            for worker in workers:
+                worker.kill()
+            raise
+        return cls(spec, workers, tp)
+
+    # ---- each model call, to every rank -------------------------------------------------------------
+
+    def forward(self, inputs: Any) -> None:
+        """The other ranks run ``inputs`` (a dataclass of tensors) as rank 0 is about to."""
+        self._send(Command("forward", inputs=move_tensors(inputs, "cpu")))
+
+    def logits(self, hidden: torch.Tensor) -> None:
+        """The other ranks compute their vocabulary slice of ``hidden``'s logits (rank 0 is about to)."""
+        self._send(Command("logits", shape=tuple(hidden.shape), dtype=hidden.dtype))
+        broadcast_tensor(hidden.contiguous(), self.tp)
+
+    def kv_budget(self, model: torch.nn.Module, request: KVBudgetRequest) -> int:
+        self._send(Command("kv_budget", inputs=request))
+        return kv_budget(model, request, self.tp)
+
+    def setup(self, setup: RunnerSetup) -> None:
+        self._send(Command("setup", inputs=setup))
+
+    def _send(self, command: Command) -> None:
+        self.check_alive()
+        try:
+            dist.broadcast_object_list([command], src=0, group=self.tp.group)
+        except Exception as exc:
+            self.check_alive()
+            raise RankDiedError(f"tensor-parallel collective failed: {exc}") from exc
+
+    def check_alive(self) -> None:
+        """RankDiedError once a rank has died."""
+        if self.death is None:
+            for rank, worker in enumerate(self.workers, start=1):
+                if worker.exitcode is not None:
+                    self.death = _death_message(rank, worker)
+        if self.death is not None:
+            raise RankDiedError(self.death)
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        ready = wait([worker.sentinel for worker in self.workers])
+        if self._stopping:
+            return
+        rank, worker = next((r, w) for r, w in enumerate(self.workers, start=1) if w.sentinel in ready)
+        worker.join(1.0)  # its sentinel closes as it dies, a moment before its exit code can be read
+        self.death = _death_message(rank, worker)
+        logger.error("%s; the engine cannot go on", self.death)
+        if self.on_death is not None:
+            self.on_death(self.death)
+
+    def stop(self) -> None:
+        """Tell the ranks to stop, wait for them (then kill what is left) and leave the group."""
+        if self._stopping:
+            return
+        self._stopping = True
+        atexit.unregister(self.stop)
+        if self.death is None and all(w.is_alive() for w in self.workers):
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([Command("stop")], src=0, group=self.tp.group)
+        for worker in self.workers:
+            # After a death the others may wait on the dead rank in a collective: no point waiting.
+            worker.join(0 if self.death is not None else STOP_TIMEOUT_S)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    """A loopback port for rank 0's store (the kernel's pick; the ranks are all on this machine)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _death_message(rank: int, worker: Any) -> str:
+    return f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}"
+
+
+def _join_watching(spec: WorkerSpec, workers: list[Any]) -> TensorParallel:
+    """Join the group as rank 0, failing at once (not at the timeout) if a worker dies meanwhile."""
+    result: list[TensorParallel | BaseException] = []
+
+    def join() -> None:
+        try:
+            result.append(init_group(spec, 0))
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=join, name="tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        for rank, worker in enumerate(workers, start=1):
+            if worker.exitcode is not None:
+                raise RuntimeError(f"{_death_message(rank, worker)} while starting")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]

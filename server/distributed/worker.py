@@ -1,0 +1,163 @@
+"""A tensor-parallel rank other than 0: its own process, its shard of the model and of every KV block.
+
+``run_worker`` is the process's entry (multiprocessing's spawn context, server/distributed/driver.py). It
+joins the group, loads its shard, then does what rank 0 tells it, command by command, until ``stop``:
+the same forward passes over the same step inputs, and its vocabulary slice of each logits request. It
+samples nothing: rank 0 holds the whole logits. It exits when the engine process dies (a thread watches
+its parent), and when a collective fails because another rank died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from pagedserve.server.distributed.collectives import broadcast_tensor
+from pagedserve.server.distributed.messages import Command, move_tensors
+from pagedserve.server.distributed.parallel_state import TensorParallel
+
+logger = logging.getLogger("pagedserve.tp")
+
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank needs to build its shard: the driver's choices, so all ranks run alike."""
+
+    model_path: str
+    dtype: torch.dtype
+    device_type: str  # "cpu" | "cuda": rank r runs on cuda:r
+    backend: str  # server/backend.py's name of what rank 0 runs
+    kv_cache_dtype: torch.dtype
+    seed: int
+    size: int
+    init_method: str  # tcp://127.0.0.1:PORT, rank 0's store
+    timeout_s: float
+
+
+@dataclass
+class RunnerSetup:
+    """The KV cache and batch limits rank 0 settled on after loading (every rank allocates alike)."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+@dataclass
+class KVBudgetRequest:
+    """CUDA: each rank profiles its largest step; the smallest budget of all ranks is everyone's."""
+
+    num_tokens: int
+    num_seqs: int
+    gpu_memory_utilization: float
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def init_group(spec: WorkerSpec, rank: int) -> TensorParallel:
+    """Join the group: NCCL between GPUs, gloo on the CPU."""
+    from datetime import timedelta
+
+    backend = "nccl" if spec.device_type == "cuda" else "gloo"
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    return TensorParallel(rank, spec.size, dist.group.WORLD)
+
+
+def receive_command(tp: TensorParallel) -> Command:
+    box: list[Command | None] = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.group)
+    assert box[0] is not None
+    return box[0]
+
+
+def kv_budget(model: torch.nn.Module, request: KVBudgetRequest, tp: TensorParallel) -> int:
+    """This rank's KV bytes after its profiled peak; the minimum over the ranks (all must call it)."""
+    from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
+
+    device = next(model.parameters()).device
+    peak = profile_activation_peak(model, request.num_tokens, request.num_seqs)
+    budget = torch.tensor([kv_cache_budget(device, request.gpu_memory_utilization, peak)], device=device)
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(budget.item())
+
+
+def _exit_with_parent() -> None:
+    """No orphans: when the engine process is gone (its pid no longer our parent), leave at once."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_worker(rank: int, spec: WorkerSpec) -> None:
+    """The process entry of rank ``rank`` (1 .. size - 1)."""
+    _exit_with_parent()
+    # Stopped by the engine process alone (its stop command, or its death): a Ctrl-C or SIGTERM sent to
+    # the whole process group must let the engine drain first, not kill a rank under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    if spec.device_type == "cpu":
+        # The ranks share the machine's cores: each takes its part, not all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    torch.manual_seed(spec.seed)
+    tp = init_group(spec, rank)
+    try:
+        with torch.inference_mode():
+            _serve(rank, spec, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel) -> None:
+    from pagedserve.server.backend import select_backend
+    from pagedserve.server.loader import load_model
+    from pagedserve.server.worker.model_runner import ModelRunner
+
+    device = rank_device(spec.device_type, rank)
+    backend = select_backend(device, spec.dtype, spec.backend, spec.kv_cache_dtype)
+    model, _ = load_model(spec.model_path, spec.dtype, device, backend=backend, tp=tp)
+    logger.info("rank %d of %d loaded its shard on %s", rank, spec.size, device)
+    runner: ModelRunner | None = None
+    while True:
+        command = receive_command(tp)
+        if command.kind == "stop":
+            return
+        if command.kind == "forward":
+            assert runner is not None, "a forward before the KV cache was set up"
+            runner.run_model(move_tensors(command.inputs, device))
+        elif command.kind == "logits":
+            assert command.shape is not None and command.dtype is not None
+            hidden = broadcast_tensor(torch.empty(command.shape, dtype=command.dtype, device=device), tp)
+            model.compute_logits(hidden)
+        elif command.kind == "kv_budget":
+            kv_budget(model, command.inputs, tp)
+        elif command.kind == "setup":
+            setup: RunnerSetup = command.inputs
+            layer = model.attention_layers()[0]
+            runner = ModelRunner(
+                model, backend, setup.num_blocks, setup.block_size, layer.num_kv_heads, layer.head_dim,
+                spec.kv_cache_dtype, device, max_num_seqs=setup.max_num_seqs,
+                max_model_len=setup.max_model_len, enforce_eager=True,
+            )
+        else:
+            raise ValueError(f"unknown command {command.kind!r}")

@@ -1,0 +1,132 @@
+"""Tensor parallelism in the offline engine (``LLM(tensor_parallel_size=2)``): greedy tokens, logprobs
+and prompt logprobs equal one rank's, with chunked prefill and prefix-cache hits, on a random Llama whose
+2 KV heads split (one per rank), on one whose single KV head both ranks hold, and on a Phi-3 whose fused
+projections are cut per part; which pieces of the checkpoint a rank reads; and what is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pagedserve.server.config import EngineConfig
+from pagedserve.server.distributed.parallel_state import check_tensor_parallel
+from transformers import MixtralConfig
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.testing.tiny_models import TINY
+
+ENGINE = dict(dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=16,  # chunked prefill
+              kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Two rounds' worth: prompts sharing 16-token prefixes, so the second half hits the prefix cache."""
+    generator = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(0, 256, (16,), generator=generator).tolist() for _ in range(3)]
+    return [p + torch.randint(0, 256, (n,), generator=generator).tolist() for p in prefixes for n in (5, 19)]
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list[float]]]:
+    """Round one asks for prompt logprobs too (their rows' logits gathered in slices); round two, without
+    them, reuses round one's prefixes from the cache."""
+    answers = []
+    for half, prompt_logprobs in ((prompts[::2], 0), (prompts[1::2], None)):
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0,
+                                prompt_logprobs=prompt_logprobs)
+        for out in llm.generate([{"prompt_token_ids": p} for p in half], params):
+            done = out.outputs[0]
+            chosen = [entry[t].logprob for t, entry in zip(done.token_ids, done.logprobs, strict=True)]
+            prompt_lps = [next(iter(e.values())).logprob for e in (out.prompt_logprobs or [None])[1:]]
+            answers.append((list(done.token_ids), chosen, prompt_lps))
+    return answers
+
+
+@pytest.mark.parametrize("checkpoint", ["llama_kv2", "llama_kv1", "phi3_fused"])
+def test_two_ranks_equal_one(checkpoint: str, request: pytest.FixtureRequest) -> None:
+    path: Path = request.getfixturevalue(checkpoint)
+    prompts = _prompts(seed=7)
+    one = _run(LLM(str(path), **ENGINE), prompts)
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    try:
+        core = llm.engine.core
+        (worker,) = core.ranks.workers
+        assert worker.is_alive()
+        # Rank 0 holds half the query heads, its KV heads (2/2 or the one replicated) and half the vocab.
+        attention = core.model.model.layers[0].self_attn
+        kv_heads = 1  # 2 KV heads: one each; 1 KV head: both hold it
+        assert (attention.num_heads, attention.num_kv_heads) == (4, kv_heads)
+        assert tuple(attention.qkv_proj.weight.shape) == ((4 + 2 * kv_heads) * 8, 64)
+        assert tuple(core.model.model.layers[0].mlp.gate_up_proj.weight.shape) == (2 * 48, 64)
+        assert tuple(core.model.model.layers[0].mlp.down_proj.weight.shape) == (64, 48)
+        assert tuple(core.model.model.embed_tokens.weight.shape) == (130, 64)  # ceil(259 / 2)
+        assert core.model.attention_layers()[0].k_cache.shape[2] == kv_heads
+        two = _run(llm, prompts)
+        assert core.kv.prefix_hits > 0
+    finally:
+        llm.shutdown()
+    assert not worker.is_alive()
+    for (tokens_1, lps_1, prompt_1), (tokens_2, lps_2, prompt_2) in zip(one, two, strict=True):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lps_2), torch.tensor(lps_1), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(prompt_2), torch.tensor(prompt_1), atol=1e-4, rtol=0)
+
+
+def test_heads_that_do_not_split_are_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match="9 query heads and 3 KV heads"):
+        LLM(tensor_parallel_size=2, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"enable_lora": True}, "enable_lora"),
+        ({"quantization": "int8"}, "quantization 'int8'"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"device": "cuda:1"}, "device 'cuda:1'"),
+    ],
+)
+def test_features_without_tensor_parallel_are_refused(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=f"does not support {named}"):
+        EngineConfig(tensor_parallel_size=2, **fields)
+
+
+def test_tensor_parallel_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_mixture_of_experts_is_refused() -> None:
+    config = MixtralConfig(**TINY, num_attention_heads=4, num_key_value_heads=2)
+    config.architectures = ["MixtralForCausalLM"]
+    with pytest.raises(ValueError, match="MixtralForCausalLM does not support tensor parallelism"):
+        check_tensor_parallel(config, 2)
+
+
+def test_each_rank_reads_only_its_pieces_of_the_checkpoint(llama_kv2: Path) -> None:
+    """Rank 1 of 2 (built without a group: loading runs no collective) reads half of each split tensor
+    from the safetensors file, and holds exactly the whole model's second halves."""
+    from pagedserve.server.backend import select_backend
+    from pagedserve.server.distributed.parallel_state import TensorParallel
+    from pagedserve.server.loader import load_model
+    from pagedserve.server.loader.weights import iterate_weights, weight_files
+    from safetensors.torch import load_file
+
+    backend = select_backend(torch.device("cpu"), torch.float32, "torch")
+    model, _ = load_model(llama_kv2, "float32", "cpu", backend=backend, tp=TensorParallel(rank=1, size=2))
+    read = dict(iterate_weights(llama_kv2, model.checkpoint_piece))
+    full = {k: v for file in weight_files(llama_kv2) for k, v in load_file(file).items()}
+    prefix = "model.layers.0"
+    assert read[f"{prefix}.self_attn.q_proj.weight"].shape == (32, 64)  # heads 4..7 of 8, head_dim 8
+    assert read[f"{prefix}.self_attn.o_proj.weight"].shape == (64, 32)  # their input columns
+    assert read["lm_head.weight"].shape == (259 - 130, 64)  # ids 130..258
+    layer = model.model.layers[0]
+    q, k, v = layer.self_attn.qkv_proj.weight.split([32, 8, 8])
+    torch.testing.assert_close(q, full[f"{prefix}.self_attn.q_proj.weight"][32:])
+    torch.testing.assert_close(k, full[f"{prefix}.self_attn.k_proj.weight"][8:])  # KV head 1 of 2
+    torch.testing.assert_close(v, full[f"{prefix}.self_attn.v_proj.weight"][8:])
+    torch.testing.assert_close(layer.mlp.down_proj.weight, full[f"{prefix}.mlp.down_proj.weight"][:, 48:])
+    head = model.lm_head.weight
+    torch.testing.assert_close(head[:129], full["lm_head.weight"][130:])
+    assert not head[129:].any()  # the padding row past the vocabulary

@@ -1,0 +1,137 @@
+"""Tensor parallelism through the real server (`pagedserve serve --tensor-parallel-size N`) and the
+official openai client: greedy completions equal one rank's token for token; a killed rank ends the
+server with a clear error within seconds; a model whose heads do not split is refused at start.
+
+The embedded SmolLM2 (9 query heads, 3 KV heads) splits across 3 ranks, not 2; the 2-rank cases run on a
+seeded random Llama (tests/distributed/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.testing.processes import ManagedProcess, ServerProcess, pagedserve_argv, serve_process
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT_S = 240
+EXIT_BOUND_S = 20  # a killed rank must end the server within this
+# Held out: none of these prompts is used elsewhere in the tensor-parallel tests.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a quiet village by the sea,",
+    "Water boils at a temperature of",
+]
+FLAGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", "64M", "--dtype", "float32"]
+
+
+def completions(server: ServerProcess, prompts: list[str], max_tokens: int = 16) -> list[str]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    return [
+        client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+        for p in prompts
+    ]
+
+
+def one_rank(model: Path | None, prompts: list[str], max_tokens: int) -> list[str]:
+    """The reference: the same engine on one rank, in this process (the server path is the same code as
+    tests/server's, and one server start fewer keeps these tests short)."""
+    llm = LLM(str(model) if model else None, dtype="float32", device="cpu", max_model_len=256,
+              kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [out.outputs[0].text for out in llm.generate(prompts, params)]
+
+
+def worker_pids(server: ServerProcess) -> list[int]:
+    """The engine's rank processes (multiprocessing spawn children), not its resource tracker."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server.pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(tmp_path_factory: pytest.TempPathFactory, llama_kv2: Path) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve-tp2") / "server.log"
+    with serve_process(log, str(llama_kv2), "--tensor-parallel-size", "2", *FLAGS) as server:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        yield server
+
+
+def test_embedded_model_tp3_equals_tp1(tmp_path: Path) -> None:
+    """3 ranks (3 query heads and 1 KV head each) answer as one engine does."""
+    with serve_process(tmp_path / "tp3.log", "-tp", "3", *FLAGS) as three:
+        three.wait_ready(STARTUP_TIMEOUT_S)
+        workers = worker_pids(three)
+        assert len(workers) == 2  # ranks 1 and 2, beside rank 0 in the engine process
+        assert httpx.get(three.url + "/version").json()["tensor_parallel_size"] == 3
+        assert completions(three, PROMPTS) == one_rank(None, PROMPTS, 16)
+        assert three.stop() == 0  # SIGTERM: drained, the ranks stopped, exit 0
+    assert not [pid for pid in workers if alive(pid)], "a rank outlived its server"
+
+
+def test_random_llama_tp2_equals_tp1(tiny_tp2: ServerProcess, llama_kv2: Path) -> None:
+    assert len(worker_pids(tiny_tp2)) == 1
+    assert completions(tiny_tp2, PROMPTS, max_tokens=12) == one_rank(llama_kv2, PROMPTS, 12)
+
+
+def test_killed_rank_ends_the_server(tiny_tp2: ServerProcess) -> None:
+    """kill -9 of rank 1: the server exits non-zero within seconds, saying which rank died."""
+    (worker,) = worker_pids(tiny_tp2)
+    os.kill(worker, signal.SIGKILL)
+    killed = time.monotonic()
+    assert tiny_tp2.process is not None
+    code = tiny_tp2.process.wait(EXIT_BOUND_S)
+    elapsed = time.monotonic() - killed
+    assert code != 0
+    log = tiny_tp2.log_text()
+    assert f"tensor-parallel rank 1 (pid {worker}) exited with code -9" in log, tiny_tp2.log_tail()
+    print(f"server exited {elapsed:.1f} s after its rank was killed, code {code}")
+
+
+def test_ranks_exit_with_a_killed_engine(tmp_path: Path, llama_kv2: Path) -> None:
+    """kill -9 of the engine process: its rank notices its parent is gone and exits (no orphans)."""
+    with serve_process(tmp_path / "server.log", str(llama_kv2), "-tp", "2", *FLAGS) as server:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        (worker,) = worker_pids(server)
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(worker), "rank 1 outlived its engine"
+
+
+def test_heads_that_do_not_split_are_refused_at_start(tmp_path: Path) -> None:
+    """The embedded model's 9 query and 3 KV heads do not split across 2 ranks: exit 2, no rank started."""
+    log = tmp_path / "tp2.log"
+    with ManagedProcess(argv=pagedserve_argv("serve", "--port", "0", "-tp", "2"), log_path=log) as process:
+        assert process.process is not None
+        assert process.process.wait(120) == 2
+    text = log.read_text()
+    assert "9 query heads and 3 KV heads" in text, text[-2000:]
