@@ -190,6 +190,21 @@ def test_prefix_caching_off_means_no_tier() -> None:
     assert config.kv_offloading_backend == "native" and config.kv_offload_bytes == GIB // 2
 
 
+def test_server_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from pagedserve.server.api.cli import add_arguments, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    gib = engine_config(parser.parse_args(["--kv-offloading-size", "2", "--kv-offloading-backend", "native"]))
+    assert gib.kv_offload_bytes == 2 * GIB and gib.kv_offloading_backend == "native"
+    assert engine_config(parser.parse_args(["--kv-offload-bytes", "512MiB"])).kv_offload_bytes == 512 << 20
+    assert engine_config(parser.parse_args([])).kv_offload_bytes == 0
+    with pytest.raises(SystemExit):  # one size, in GiB or in bytes
+        parser.parse_args(["--kv-offloading-size", "1", "--kv-offload-bytes", "1G"])
+
+
 # ------------------------------------------------------------------------------- the engine, end to end
 DEVICE_BLOCKS = 24  # of 16 tokens: fewer than the workload's prefixes
 HOST_BLOCKS = 64
