@@ -14,7 +14,9 @@ from pagedserve.testing.processes import ServerProcess, serve_process
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-FLAGS = ("--max-model-len", "256", "--num-gpu-blocks-override", "24", "--kv-offload-bytes", "64MiB")
+# On CPU whatever the machine: the embedded model's float32 blocks (737,280 bytes) are counted below.
+FLAGS = ("--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "24",
+         "--kv-offload-bytes", "64MiB")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
