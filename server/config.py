@@ -20,6 +20,9 @@ DTYPE_ALIASES = {
 }
 # vLLM's --kv-cache-dtype values that exist here: "auto" is the model's dtype, "fp8" means fp8_e4m3.
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# vLLM's --kv-offloading-backend values that exist here: "native", the CPU tier of server/core/host_tier.py.
+KV_OFFLOADING_BACKENDS = ("native",)
+GIB = 1 << 30
 
 
 @dataclass
@@ -36,6 +39,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_cache_memory_bytes: int | None = None
+    # vLLM's CPU KV offloading: a host-memory tier of this many GiB (all ranks together, as vLLM's) behind
+    # the device pool; evicted blocks go there and prefix hits there are copied back, not recomputed
+    # (server/core/host_tier.py). None: off. The CLI's --kv-offload-bytes sets it from bytes.
+    kv_offloading_size: float | None = None
+    # vLLM's kv_offloading_backend: "native" (None means it too, once kv_offloading_size is set).
+    kv_offloading_backend: str | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -89,6 +98,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        self._check_kv_offloading()
         if self.enable_kv_events and not self.enable_prefix_caching:
             raise ValueError("enable_kv_events needs enable_prefix_caching: without it no block is cached")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -140,6 +150,26 @@ class EngineConfig:
         if self.torch_device.type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
+
+    def _check_kv_offloading(self) -> None:
+        backend = self.kv_offloading_backend
+        if backend is not None and backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, "
+                             f"got {backend!r}")
+        if self.kv_offloading_size is None:
+            if self.kv_offloading_backend is not None:
+                raise ValueError("kv_offloading_backend needs kv_offloading_size (GiB of host memory)")
+            return
+        if not self.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier keeps cached blocks")
+        self.kv_offloading_backend = "native"
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        """The host tier's budget in bytes (0: off)."""
+        return round(self.kv_offloading_size * GIB) if self.kv_offloading_size is not None else 0
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

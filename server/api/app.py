@@ -152,6 +152,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             backend=engine.config.attention_backend,
             quantization=engine.config.quantization,
             kv_cache_dtype=engine.config.kv_cache_dtype,
+            kv_offloading_size=getattr(engine.config, "kv_offloading_size", None),
+            kv_offloading_backend=getattr(engine.config, "kv_offloading_backend", None),
             speculative_config=asdict(spec) if (spec := engine.config.speculative_config) else None,
             architectures=supported_architectures(),
             enable_lora=bool(getattr(engine.config, "enable_lora", False)),

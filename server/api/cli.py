@@ -152,6 +152,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache budget in bytes (e.g. 2G, 512MiB)",
     )
+    offload = engine.add_mutually_exclusive_group()
+    offload.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="a CPU (host memory) KV tier of this many GiB behind the device pool: blocks evicted from the "
+        "device go there, and prefix hits there are copied back instead of recomputed (vLLM's flag)",
+    )
+    offload.add_argument(
+        "--kv-offload-bytes",
+        type=human_bytes,
+        default=None,
+        help="the same tier's size in bytes (e.g. 8G, 512MiB)",
+    )
+    engine.add_argument(
+        "--kv-offloading-backend",
+        default=None,
+        choices=["native"],
+        help="the tier's backend (vLLM's flag): native, the only one here and the default",
+    )
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--seed", type=int, default=0)
@@ -211,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
-    from pagedserve.server.config import EngineConfig
+    from pagedserve.server.config import GIB, EngineConfig
 
     names = args.served_model_name
     return EngineConfig(
@@ -227,6 +248,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_offloading_size=args.kv_offload_bytes / GIB if args.kv_offload_bytes else args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,

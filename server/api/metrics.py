@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from pagedserve.server.engine.core_output import LoRAStats
+    from pagedserve.server.engine.core_output import KVOffloadStats, LoRAStats
     from pagedserve.server.engine.output import RequestOutput
     from pagedserve.server.engine.protocol import EngineClient
     from pagedserve.server.spec_decode.metrics import SpecDecodingStats
@@ -160,12 +160,43 @@ class EngineStatsCollector:
             yield from self._spec_decoding(s.spec_decoding)
         if s.lora is not None:
             yield from self._lora(s.lora)
+        if s.kv_offload is not None:
+            yield from self._kv_offload(s.kv_offload)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self.cache_info)
         )
         info.add_metric(list(self.cache_info.values()), 1.0)
         yield info
 
+
+    def _kv_offload(self, tier: KVOffloadStats) -> Iterator[Metric]:
+        """The CPU KV tier as vLLM's native offloading reports it: its hits as the external (KV connector)
+        prefix cache's, in tokens; the bytes it moved (vLLM's flat store/load counters); how full it is."""
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(
+            c,
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache (the CPU KV tier) queries, in terms of number of queried tokens.",
+            tier.queries,
+        )
+        yield self._family(
+            c,
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache (the CPU KV tier) hits, in terms of number of cached tokens.",
+            tier.hits,
+        )
+        yield self._family(
+            c, "vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.",
+            tier.store_bytes,
+        )  # fmt: skip
+        yield self._family(
+            c, "vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.",
+            tier.load_bytes,
+        )  # fmt: skip
+        yield self._family(
+            g, "vllm:kv_offload_cpu_cache_usage_perc",
+            "CPU KV offload cache usage. 1 means 100 percent usage.", tier.cpu_cache_usage,
+        )  # fmt: skip
 
     def _lora(self, lora: LoRAStats) -> Iterator[Metric]:
         """vLLM's vllm:lora_requests_info (the adapters running and waiting, in labels; the value is the
@@ -218,7 +249,7 @@ def cache_config_info(engine: EngineClient) -> dict[str, str]:
         "enable_prefix_caching": str(bool(getattr(cfg, "enable_prefix_caching", True))),
         "gpu_memory_utilization": str(getattr(cfg, "gpu_memory_utilization", None)),
         "kv_cache_memory_bytes": str(getattr(cfg, "kv_cache_memory_bytes", None)),
-        "num_cpu_blocks": "None",
+        "num_cpu_blocks": str(stats.kv_offload.num_cpu_blocks if stats.kv_offload is not None else None),
         "num_gpu_blocks": str(stats.num_gpu_blocks),
         "num_gpu_blocks_override": str(getattr(cfg, "num_gpu_blocks_override", None)),
         "engine": "0",

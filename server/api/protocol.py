@@ -688,6 +688,8 @@ class VersionResponse(OpenAIBaseModel):
     backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"
     quantization: str | None = None  # the weights' quantization mode ("int8"), None for none
     kv_cache_dtype: str = "auto"  # the KV cache's element type: "auto" (the model's dtype) or "fp8"
+    kv_offloading_size: float | None = None  # GiB of the CPU KV tier (--kv-offloading-size); None: off
+    kv_offloading_backend: str | None = None  # "native" when the tier is on
     # the speculative decoding in force (server/spec_decode/config.py, vLLM's keys), None for none
     speculative_config: dict[str, Any] | None = None
     architectures: list[str] = []  # the model architectures this server can load (server/models/registry.py)

@@ -2,7 +2,8 @@
 
 A block whose ref count drops to zero joins the free queue but keeps its hash, so a later request with
 the same prefix can take it back; blocks are reused from the front of the queue (least recently freed),
-which is what makes eviction LRU.
+which is what makes eviction LRU. With a host tier (server/core/host_tier.py) a cached block is copied
+there as it is evicted for reuse, so a later hit can load it back instead of recomputing it.
 
 With ``enable_kv_events`` the pool records what routers need to know of its hash map as KV events
 (server/engine/kv_events.py): a block evicted from it, or the whole map forgotten. The KV manager records
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedserve.server.core.host_tier import HostTier
 from pagedserve.server.engine.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
@@ -26,8 +28,9 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_kv_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_kv_events: bool = False, host: HostTier | None = None) -> None:
         self.num_blocks = num_blocks
+        self.host = host
         self.events: list[KVEvent] | None = [] if enable_kv_events else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -47,6 +50,9 @@ class BlockPool:
         taken = []
         for _ in range(count):
             _, block = self.free_queue.popitem(last=False)
+            if self.host is not None and block.block_hash is not None:
+                # Its K/V is whole (written by an earlier step); this step's copies run before its forward.
+                self.host.store(block.block_hash, block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

@@ -16,6 +16,11 @@ needs only the blocks inside the window of the first token the request computes:
 be evicted already, and are not taken. Models whose layers differ (Gemma 2/3 alternate local and global
 layers) pass no window and keep every block; vLLM's hybrid allocator, one block table per kind of layer,
 is the full answer there.
+
+Host tier (``num_host_blocks``, server/core/host_tier.py): a prefix continues past the device's cached
+blocks into blocks whose hashes the host tier holds. Each of those gets a fresh device block and a load in
+this step's ``KVTransfers`` (``take_transfers``), counts as computed, and becomes a device-cached block
+again (with the usual ``BlockStored``). Device blocks the pool evicts are stored there first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.server.core.block_hash import hash_block, salted_root, seed_hash
 from pagedserve.server.core.block_pool import Block, BlockPool
+from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
 from pagedserve.server.engine.kv_events import BlockStored
 from pagedserve.server.request import Request
 
@@ -49,11 +55,14 @@ class KVCacheManager:
         hash_seed: str,
         sliding_window: int | None = None,
         enable_kv_events: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """``num_host_blocks``: the host tier's size (0: no tier; it needs ``enable_caching``)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, enable_kv_events=enable_kv_events)
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self.pool = BlockPool(num_blocks, enable_kv_events=enable_kv_events, host=self.host)
         # Stands in the block table for blocks freed behind the window; held for good, never cached.
         self.null_block: Block | None = self.pool.allocate(1)[0] if sliding_window is not None else None
         self.root_hash = seed_hash(hash_seed)
@@ -62,7 +71,11 @@ class KVCacheManager:
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered, to skip them
         self.req_num_skipped: dict[str, int] = {}  # leading blocks already behind the window (null)
         self.prefix_queries = 0  # prompt tokens looked up, in tokens as vLLM counts them
-        self.prefix_hits = 0
+        self.prefix_hits = 0  # ... found on the device
+        # The host tier's, as vLLM's external (KV connector) prefix cache counters: prompt tokens looked up
+        # while it is on, and tokens loaded from it (counted as the loads are planned, not when found).
+        self.tier_queries = 0
+        self.tier_hits = 0
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -73,28 +86,38 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
+    def find_cached_prefix(self, request: Request) -> list[Block | HostHit]:
         """The longest cached prefix of the request's tokens, as blocks for the start of its table.
 
         The last token is always computed (its logits are needed), so a fully cached prompt gives up
         its final block. A request still owing prompt logprobs needs the logits of every prompt position,
         so it takes no hits (as in vLLM), though the blocks it fills are cached for others. With a
         sliding window only the blocks inside the window of the first computed token must be cached;
-        the null block stands for those before it.
+        the null block stands for those before it. A block found only in the host tier is a ``HostHit``:
+        ``allocate`` gives it a device block and plans its load. Nothing changes until ``allocate``.
         """
         if not self.enable_caching or request.needs_prompt_logprobs:
             return []
         hashes = self._full_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        found = [self.pool.lookup(block_hash) for block_hash in hashes[:max_blocks]]
+        found = [self._lookup(block_hash) for block_hash in hashes[:max_blocks]]
         num_hit = self._longest_usable_prefix(found)
         skipped = self._num_skipped_blocks(num_hit * self.block_size)
         hits = [self.null_block] * skipped + found[skipped:num_hit]
+        num_on_host = sum(1 for hit in hits if isinstance(hit, HostHit))
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += num_hit * self.block_size
+        self.prefix_hits += (num_hit - num_on_host) * self.block_size
+        if self.host is not None:
+            self.tier_queries += request.num_tokens
         return hits
 
-    def _longest_usable_prefix(self, found: list[Block | None]) -> int:
+    def _lookup(self, block_hash: bytes) -> Block | HostHit | None:
+        block = self.pool.lookup(block_hash)
+        if block is None and self.host is not None and block_hash in self.host:
+            return HostHit(block_hash)
+        return block
+
+    def _longest_usable_prefix(self, found: list[Block | HostHit | None]) -> int:
         """The most leading blocks a request can take: every block it still needs there is cached."""
         if self.sliding_window is None:
             return next((i for i, block in enumerate(found) if block is None), len(found))
@@ -112,7 +135,9 @@ class KVCacheManager:
             return 0
         return max(num_computed - self.sliding_window + 1, 0) // self.block_size
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: list[Block | HostHit] | None = None
+    ) -> bool:
         """Room for ``num_new_tokens`` more tokens after the computed ones (and ``cached`` hits).
 
         Returns False when the pool cannot supply the blocks, changing nothing but the return of blocks
@@ -123,20 +148,53 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
         self._free_skipped_blocks(request.request_id, blocks, num_computed)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(cached)
-        taken = [b for b in cached if b is not self.null_block]
-        # Hits that sit in the free queue stop being free once touched.
+        taken = [b for b in cached if isinstance(b, Block) and b is not self.null_block]
+        on_host = [b for b in cached if isinstance(b, HostHit)]
+        # Hits that sit in the free queue stop being free once touched; host hits each take a free block.
         reclaimed = sum(1 for b in taken if b.ref_cnt == 0)
-        if needed + reclaimed > self.pool.num_free_blocks:
+        if needed + reclaimed + len(on_host) > self.pool.num_free_blocks or not self._pin(on_host):
             if not blocks:
                 del self.req_blocks[request.request_id]
             return False
         self.pool.touch(taken)
-        blocks.extend(cached)
+        blocks.extend(self._load(cached, on_host))
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
+
+    def _pin(self, on_host: list[HostHit]) -> bool:
+        """Keep the hits' host blocks from being overwritten by the stores the allocation below plans."""
+        return all(self.host.pin(hit.block_hash) for hit in on_host) if on_host else True
+
+    def _load(self, cached: list[Block | HostHit], on_host: list[HostHit]) -> list[Block]:
+        """The hits as device blocks: each host hit in a fresh one, loaded from the host tier this step
+        (and made findable again by ``_cache_full_blocks``)."""
+        if not on_host:
+            return cached  # type: ignore[return-value]
+        assert self.host is not None
+        fresh = iter(self.pool.allocate(len(on_host)))
+        resolved: list[Block] = []
+        for hit in cached:
+            if isinstance(hit, HostHit):
+                block = next(fresh)
+                self.host.load(hit.block_hash, block.block_id)
+                resolved.append(block)
+            else:
+                resolved.append(hit)
+        self.tier_hits += len(on_host) * self.block_size
+        return resolved
+
+    def take_transfers(self) -> KVTransfers:
+        """The host tier's copies planned since the last call: the step's input for the runner."""
+        return self.host.take_transfers() if self.host is not None else KVTransfers()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, on the device and in the host tier."""
+        self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])

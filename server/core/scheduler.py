@@ -4,7 +4,8 @@ run out the newest running request is preempted (its blocks freed, recomputed la
 A decode carrying draft tokens (speculative decoding) takes 1 + drafts tokens; drafts are cut to the
 token budget and dropped, never the request, when their blocks do not fit. With LoRA, no more than
 ``max_loras`` distinct adapters run at once: a waiting request whose adapter would be one too many
-waits (others may pass it), as in vLLM's scheduler.
+waits (others may pass it), as in vLLM's scheduler. The step's host-tier copies (server/core/host_tier.py),
+planned while allocating, travel with the batch as ``kv_transfers``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.request import Request, RequestStatus
 
@@ -36,6 +38,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Block copies between the device and the host tier, applied before this step's forward pass
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,6 +75,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.kv_transfers = self.kv.take_transfers()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

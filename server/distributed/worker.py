@@ -50,6 +50,7 @@ class RunnerSetup:
     block_size: int
     max_num_seqs: int
     max_model_len: int
+    num_host_blocks: int = 0  # the host KV tier's blocks (server/core/host_tier.py), each rank its shard
 
 
 @dataclass
@@ -157,7 +158,7 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel) -> None:
             runner = ModelRunner(
                 model, backend, setup.num_blocks, setup.block_size, layer.num_kv_heads, layer.head_dim,
                 spec.kv_cache_dtype, device, max_num_seqs=setup.max_num_seqs,
-                max_model_len=setup.max_model_len, enforce_eager=True,
+                max_model_len=setup.max_model_len, enforce_eager=True, num_host_blocks=setup.num_host_blocks,
             )
         else:
             raise ValueError(f"unknown command {command.kind!r}")

@@ -22,7 +22,7 @@ from pagedserve.server.backend import select_backend
 from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedserve.server.core.scheduler import Scheduler
-from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, LoRAStats
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, KVOffloadStats, LoRAStats
 from pagedserve.server.engine.exceptions import EngineDeadError, StepError
 from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request, RequestStatus
@@ -56,6 +56,7 @@ class EngineCore:
             hash_seed=f"{self.model_path}:{self.dtype}",
             sliding_window=uniform_sliding_window(self.model.attention_layers()),
             enable_kv_events=config.enable_kv_events,
+            num_host_blocks=self.num_host_blocks,
         )
         max_loras = config.max_loras if self.lora is not None else 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras)
@@ -70,7 +71,7 @@ class EngineCore:
         self.generation_tokens = 0
         logger.info(
             "engine ready: model=%s device=%s dtype=%s backend=%s kv_cache_dtype=%s "
-            "kv_blocks=%d x %d tokens, max_model_len=%d",
+            "kv_blocks=%d x %d tokens, host kv_blocks=%d, max_model_len=%d",
             self.model_path,
             self.device,
             self.dtype,
@@ -78,6 +79,7 @@ class EngineCore:
             self.kv_cache_dtype,
             self.num_blocks,
             config.block_size,
+            self.num_host_blocks,
             config.max_model_len,
         )
 
@@ -133,13 +135,15 @@ class EngineCore:
         block_bytes = ModelRunner.bytes_per_block(
             num_layers, config.block_size, num_kv_heads, head_dim, self.kv_cache_dtype
         )
+        self.block_bytes = block_bytes
         self.num_blocks = self._num_blocks(block_bytes)
+        self.num_host_blocks = self._num_host_blocks(block_bytes)
         self._resolve_max_model_len()
         if self.ranks is not None:
             from pagedserve.server.distributed.worker import RunnerSetup
 
             self.ranks.setup(RunnerSetup(self.num_blocks, config.block_size, config.max_num_seqs,
-                                         config.max_model_len or 0))
+                                         config.max_model_len or 0, self.num_host_blocks))
         self.runner = ModelRunner(
             self.model,
             self.backend,
@@ -156,6 +160,7 @@ class EngineCore:
             calculate_kv_scales=config.calculate_kv_scales,
             lora=self.lora,
             ranks=self.ranks,
+            num_host_blocks=self.num_host_blocks,
         )
 
     def shutdown(self) -> None:
@@ -229,6 +234,17 @@ class EngineCore:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({block_bytes} bytes)")
         return int(num_blocks)
 
+    def _num_host_blocks(self, block_bytes: int) -> int:
+        """The host KV tier's blocks (server/core/host_tier.py): its budget in whole blocks; 0 when off.
+        ``block_bytes`` is one rank's shard of a block, and the budget is every rank's together (vLLM's
+        kv_offloading_size), so each rank holds its share."""
+        budget = self.config.kv_offload_bytes // self.config.tensor_parallel_size
+        if not budget:
+            return 0
+        if budget < block_bytes:
+            raise ValueError(f"kv_offloading_size of {budget} bytes is below one block ({block_bytes} bytes)")
+        return budget // block_bytes
+
     def _gpu_kv_budget(self) -> int:
         """What is left of ``gpu_memory_utilization`` after the weights and a profiled largest step."""
         from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
@@ -290,11 +306,12 @@ class EngineCore:
             self._fail_unloaded()
         plan = self.scheduler.schedule()
         if plan.empty:
+            self.runner.copy_kv_blocks(plan.kv_transfers)  # none in practice: copies come with allocations
             return []
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in plan.scheduled}
         active_loras = self.scheduler.active_loras() if self.lora is not None else None
         try:
-            sampled = self.runner.execute(plan.scheduled, block_ids, active_loras)
+            sampled = self.runner.execute(plan.scheduled, block_ids, active_loras, plan.kv_transfers)
         except EngineDeadError:
             raise  # a tensor-parallel rank died: no step can run again
         except Exception as exc:
@@ -371,8 +388,9 @@ class EngineCore:
         logger.exception("engine step failed; aborting %d requests", len(requests))
         request_ids = [r.request_id for r in requests]
         self.abort_requests(request_ids)
-        # Blocks registered for this step may hold half-written K/V: forget every cached prefix.
-        self.kv.pool.reset_prefix_cache()
+        # Blocks registered for this step may hold half-written K/V (and host blocks half-copied ones):
+        # forget every cached prefix, in both tiers.
+        self.kv.reset_prefix_cache()
         return StepError(request_ids, exc)
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
@@ -417,6 +435,19 @@ class EngineCore:
             requests_finished=dict(self.lora_requests_finished),
         )
 
+    def _kv_offload_stats(self) -> KVOffloadStats | None:
+        host = self.kv.host
+        if host is None:
+            return None
+        return KVOffloadStats(
+            num_cpu_blocks=host.num_blocks,
+            cpu_cache_usage=host.usage(),
+            queries=self.kv.tier_queries,
+            hits=self.kv.tier_hits,
+            store_bytes=host.num_stored * self.block_bytes,
+            load_bytes=host.num_loaded * self.block_bytes,
+        )
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -424,6 +455,7 @@ class EngineCore:
             kv_cache_usage=self.kv.usage(),
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            kv_offload=self._kv_offload_stats(),
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,

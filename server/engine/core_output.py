@@ -26,6 +26,19 @@ class LoRAStats:
 
 
 @dataclass
+class KVOffloadStats:
+    """The host KV tier's (server/core/host_tier.py), for vLLM's external prefix cache and KV offload
+    metrics (server/api/metrics.py)."""
+
+    num_cpu_blocks: int
+    cpu_cache_usage: float  # host blocks holding a block hash, of all
+    queries: int  # prompt tokens looked up while the tier is on
+    hits: int  # prompt tokens loaded from the tier instead of computed
+    store_bytes: int  # device -> host, ever
+    load_bytes: int  # host -> device, ever
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -39,6 +52,7 @@ class EngineStats:
     block_size: int
     spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
     lora: LoRAStats | None = None  # None: LoRA is off
+    kv_offload: KVOffloadStats | None = None  # None: no host KV tier
 
 
 @dataclass

@@ -7,6 +7,9 @@ its blocks, and gives its positions' prompt logprobs to a request that asked for
 the sampled requests is filled once the forward pass is launched (server/structured_output/bitmask.py).
 A decode with draft tokens runs as a short chunk (the last known token, then the drafts) whose every
 position gets logits; server/spec_decode/rejection_sampler.py keeps the drafts the target agrees with.
+With a host KV tier the runner owns its tensors (each layer's K and V, the cache's shape and dtype, in
+pinned memory beside a GPU) and applies the step's ``KVTransfers`` before the forward pass
+(server/core/host_tier.py decides them).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from pagedserve.server.backend import Backend
+from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.lora.manager import LoRAManager
@@ -43,6 +47,7 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    kv_transfers: KVTransfers | None = None  # the host tier's copies (server/core/host_tier.py), made first
 
 
 @dataclass
@@ -76,6 +81,7 @@ class ModelRunner:
         calculate_kv_scales: bool = False,
         lora: LoRAManager | None = None,
         ranks: TPDriver | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         """``dtype``: the KV cache's (``EngineConfig.torch_kv_cache_dtype``), which may be FP8 while the
         model computes in another. ``calculate_kv_scales``: the first prefill after start-up sets each
@@ -83,7 +89,8 @@ class ModelRunner:
         must not set them. ``lora``: the adapters' slots (server/lora/manager.py); the runner sets the
         step's token -> slot mapping, and the engine runs such a model without CUDA graphs. ``ranks``:
         the other tensor-parallel ranks (server/distributed/driver.py), told of every model call first;
-        None on one rank."""
+        None on one rank.
+        ``num_host_blocks``: the host KV tier's blocks on this rank (0: none)."""
         if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
             raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
         self.model = model
@@ -97,12 +104,47 @@ class ModelRunner:
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.host_caches = self._host_caches(num_host_blocks, shape[1:], dtype)
         self.graphs: DecodeGraphs | None = None
         if backend.supports_cuda_graphs and not enforce_eager:
             self.graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len, block_size, device)
             self.graphs.capture()
         for layer in model.attention_layers():
             layer.calculate_kv_scales = calculate_kv_scales
+
+    def _host_caches(self, num_blocks: int, block_shape: tuple[int, ...],
+                     dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each attention layer's host K and V blocks: the device cache's per-rank block shape and dtype
+        (an FP8 cache's bytes are kept as they are). Pinned beside a GPU, so copies run at DMA speed."""
+        if not num_blocks:
+            return []
+        pin = self.device.type == "cuda"
+        shape = (num_blocks, *block_shape)
+        return [
+            (torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, pin_memory=pin))
+            for _ in self.model.attention_layers()
+        ]
+
+    @torch.inference_mode()
+    def copy_kv_blocks(self, transfers: KVTransfers) -> None:
+        """The step's host-tier copies in every layer, before its forward pass: stores (device -> host)
+        first, for a stored block may be a reused one this step's loads or forward overwrite. The bytes
+        are copied raw (uint8 views), whatever the cache's dtype."""
+        if not transfers:
+            return
+        layers = self.model.attention_layers()
+        if transfers.stores:
+            device_ids = self._to_device(torch.tensor([d for d, _ in transfers.stores], dtype=torch.long))
+            host_ids = torch.tensor([h for _, h in transfers.stores], dtype=torch.long)
+            for layer, host in zip(layers, self.host_caches, strict=True):
+                for cache, host_cache in zip((layer.k_cache, layer.v_cache), host, strict=True):
+                    _raw(host_cache)[host_ids] = _raw(cache).index_select(0, device_ids).cpu()
+        if transfers.loads:
+            host_ids = torch.tensor([h for h, _ in transfers.loads], dtype=torch.long)
+            device_ids = self._to_device(torch.tensor([d for _, d in transfers.loads], dtype=torch.long))
+            for layer, host in zip(layers, self.host_caches, strict=True):
+                for cache, host_cache in zip((layer.k_cache, layer.v_cache), host, strict=True):
+                    _raw(cache)[device_ids] = self._to_device(_raw(host_cache).index_select(0, host_ids))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -116,11 +158,13 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         block_ids: dict[str, list[int]],
         active_loras: set[int] | None = None,
+        kv_transfers: KVTransfers | None = None,
     ) -> StepResult:
         """One forward pass; each sampled request's new tokens (one, or the accepted drafts and one more),
         or the exception its row alone raised. ``active_loras``: the adapters of every running request,
-        whose device slots this step must not take."""
+        whose device slots this step must not take. ``kv_transfers``: the host tier's copies, made first."""
         inputs = self.prepare(scheduled, block_ids)
+        inputs.model.kv_transfers = kv_transfers
         if self.lora is not None:
             self._set_lora_mapping(inputs.ordered, active_loras or set())
         if self.ranks is not None:
@@ -143,7 +187,10 @@ class ModelRunner:
         return results
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
-        """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others)."""
+        """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others),
+        after the step's host-tier copies of this rank's shard of the blocks."""
+        if inputs.kv_transfers:
+            self.copy_kv_blocks(inputs.kv_transfers)
         if self.graphs is not None and self.graphs.fits(inputs.meta):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -251,6 +298,11 @@ class ModelRunner:
 
 def _adapter_of(item: ScheduledRequest) -> int:
     return item.request.lora_int_id
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes (its last dimension in bytes): copies that need no dtype support."""
+    return cache.view(torch.uint8)
 
 
 def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
