@@ -130,3 +130,25 @@ def test_each_rank_reads_only_its_pieces_of_the_checkpoint(llama_kv2: Path) -> N
     head = model.lm_head.weight
     torch.testing.assert_close(head[:129], full["lm_head.weight"][130:])
     assert not head[129:].any()  # the padding row past the vocabulary
+
+
+def test_two_ranks_with_the_host_kv_tier_equal_one(llama_kv2: Path) -> None:
+    """The host tier's copies travel with the step's model inputs, so each rank stores and loads its own
+    shard of a block: with a device pool too small for the prefixes, prefix hits come from the tier and
+    the tokens and logprobs equal one rank's with a roomy pool."""
+    prompts = _prompts(seed=11)
+    one = _run(LLM(str(llama_kv2), **ENGINE), prompts)
+    # One rank's shard of a block: 2 layers x K and V x 8 tokens x 1 KV head x head_dim 8 x 4 bytes.
+    tiny_pool = {**ENGINE, "kv_cache_memory_bytes": 10 * 1024, "kv_offloading_size": (64 << 10) / (1 << 30)}
+    llm = LLM(str(llama_kv2), tensor_parallel_size=2, **tiny_pool)
+    try:
+        core = llm.engine.core
+        assert core.num_blocks == 10 and core.runner.host_caches
+        two = _run(llm, prompts)
+        tier = core.stats().kv_offload
+        assert tier is not None and tier.hits > 0 and tier.load_bytes > 0, tier
+    finally:
+        llm.shutdown()
+    for (tokens_1, lps_1, _), (tokens_2, lps_2, _) in zip(one, two, strict=True):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lps_2), torch.tensor(lps_1), atol=1e-4, rtol=0)
