@@ -90,6 +90,10 @@ class TPDriver:
         self._send(Command("logits", shape=tuple(hidden.shape), dtype=hidden.dtype))
         broadcast_tensor(hidden.contiguous(), self.tp)
 
+    def copy_kv(self, transfers: Any) -> None:
+        """The other ranks make host-tier copies outside a forward pass (rank 0 is about to)."""
+        self._send(Command("copy_kv", inputs=transfers))
+
     def kv_budget(self, model: torch.nn.Module, request: KVBudgetRequest) -> int:
         self._send(Command("kv_budget", inputs=request))
         return kv_budget(model, request, self.tp)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-CommandKind = Literal["forward", "logits", "kv_budget", "setup", "stop"]
+CommandKind = Literal["forward", "logits", "copy_kv", "kv_budget", "setup", "stop"]
 
 
 @dataclass

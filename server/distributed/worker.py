@@ -150,6 +150,9 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel) -> None:
             assert command.shape is not None and command.dtype is not None
             hidden = broadcast_tensor(torch.empty(command.shape, dtype=command.dtype, device=device), tp)
             model.compute_logits(hidden)
+        elif command.kind == "copy_kv":
+            assert runner is not None, "host-tier copies before the KV cache was set up"
+            runner.copy_kv_shard(command.inputs)
         elif command.kind == "kv_budget":
             kv_budget(model, command.inputs, tp)
         elif command.kind == "setup":

@@ -125,13 +125,20 @@ class ModelRunner:
             for _ in self.model.attention_layers()
         ]
 
-    @torch.inference_mode()
     def copy_kv_blocks(self, transfers: KVTransfers) -> None:
-        """The step's host-tier copies in every layer, before its forward pass: stores (device -> host)
-        first, for a stored block may be a reused one this step's loads or forward overwrite. The bytes
-        are copied raw (uint8 views), whatever the cache's dtype."""
+        """Host-tier copies outside a forward pass (a step that runs nothing), on every rank: a step's own
+        copies travel in its ``ModelInputs`` instead, made by ``run_model``."""
         if not transfers:
             return
+        if self.ranks is not None:
+            self.ranks.copy_kv(transfers)
+        self.copy_kv_shard(transfers)
+
+    @torch.inference_mode()
+    def copy_kv_shard(self, transfers: KVTransfers) -> None:
+        """The host-tier copies of this rank's shard of the blocks, in every layer: stores (device ->
+        host) first, for a stored block may be a reused one this step's loads or forward overwrite. The
+        bytes are copied raw (uint8 views), whatever the cache's dtype."""
         layers = self.model.attention_layers()
         if transfers.stores:
             device_ids = self._to_device(torch.tensor([d for d, _ in transfers.stores], dtype=torch.long))
@@ -190,7 +197,7 @@ class ModelRunner:
         """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others),
         after the step's host-tier copies of this rank's shard of the blocks."""
         if inputs.kv_transfers:
-            self.copy_kv_blocks(inputs.kv_transfers)
+            self.copy_kv_shard(inputs.kv_transfers)
         if self.graphs is not None and self.graphs.fits(inputs.meta):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from pagedserve.server.config import EngineConfig
+from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.distributed.parallel_state import check_tensor_parallel
 from transformers import MixtralConfig
 
@@ -147,6 +148,11 @@ def test_two_ranks_with_the_host_kv_tier_equal_one(llama_kv2: Path) -> None:
         two = _run(llm, prompts)
         tier = core.stats().kv_offload
         assert tier is not None and tier.hits > 0 and tier.load_bytes > 0, tier
+        # Copies outside a forward pass (a step that runs nothing) reach the other rank too, which stays
+        # in lock step: the next generate's collectives would fail on a rank that died of the command.
+        core.runner.copy_kv_blocks(KVTransfers(stores=[(0, 0)], loads=[(0, 0)]))
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))
+        core.check_ranks()
     finally:
         llm.shutdown()
     for (tokens_1, lps_1, _), (tokens_2, lps_2, _) in zip(one, two, strict=True):
