@@ -52,9 +52,11 @@ test: setup tools
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q tests
 
-# End to end on this machine (e2e/): the operator's rendered pods as local processes, scale from zero
+# End to end on this machine (e2e/): a real control plane (e2e/test_control_plane.py, binaries from
+# KUBEBUILDER_ASSETS: docs/e2e.md), the operator's rendered pods as local processes, scale from zero
 # and back; a few minutes of real engine starts, kept out of `make test` so that stays near 10 minutes.
 e2e: setup tools
+	$(PY) -m pagedserve.testing.kube_assets
 	$(BIN)/pytest -q e2e
 
 lint:
