@@ -13,11 +13,16 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from pagedserve.operator.handlers import PEERING_LIFETIME_S
 
 from pagedserve.testing import helm as chart
 from pagedserve.testing import kube_assets, pods, test_node
@@ -222,3 +227,275 @@ def test_bad_modeldeployments_are_rejected_with_the_crds_messages(
     assert result.returncode != 0, result.stdout
     assert message in result.stderr, result.stderr
     assert cluster.kubectl("get", "md", "bad", "-n", "default", check=False).returncode != 0
+
+
+# --- 4. scale, spec edits, status and printer columns ------------------------------------------------
+
+
+def engine_deployment(cluster: Cluster) -> dict[str, Any]:
+    return cluster.get("deployment", f"{pods.NAME}-engine", "-n", NAMESPACE)
+
+
+def printer_columns(cluster: Cluster, name: str = pods.NAME) -> dict[str, str]:
+    """`kubectl get md` as a user reads it: header -> value."""
+    header, row = cluster.kubectl("get", "md", name, "-n", NAMESPACE).stdout.splitlines()[:2]
+    return dict(zip(header.split(), row.split(), strict=False))
+
+
+def condition(md: dict[str, Any], kind: str) -> str:
+    return next((c["status"] for c in md["status"].get("conditions", []) if c["type"] == kind), "")
+
+
+def rolled_out(deployment: dict[str, Any], replicas: int) -> bool:
+    status = deployment.get("status", {})
+    return (
+        deployment["spec"]["replicas"] == replicas
+        and status.get("observedGeneration") == deployment["metadata"]["generation"]
+        and status.get("updatedReplicas") == replicas
+        and status.get("readyReplicas") == replicas
+        and status.get("replicas") == replicas  # no old pod left
+    )
+
+
+def test_spec_edit_rolls_the_engine_deployment(cluster: Cluster, served: str) -> None:
+    before = engine_deployment(cluster)
+    old_pods = {p["metadata"]["uid"] for p in cluster.pods(NAMESPACE, ENGINE)}
+    cluster.kubectl(
+        "patch",
+        "md",
+        pods.NAME,
+        "-n",
+        NAMESPACE,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"maxNumSeqs": 6}}}),
+    )
+    wait_until(
+        lambda: "6" in _flag(engine_deployment(cluster), "--max-num-seqs"),
+        60,
+        "the edit in the engine template",
+    )
+    wait_until(lambda: rolled_out(engine_deployment(cluster), 1), ENGINE_READY_S, "the rollout of the edit")
+    after = engine_deployment(cluster)
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]
+    new_pods = {p["metadata"]["uid"] for p in cluster.ready_pods(NAMESPACE, ENGINE)}
+    assert new_pods and not new_pods & old_pods  # every engine pod was replaced
+    md = cluster.get("md", pods.NAME, "-n", NAMESPACE)
+    wait_until(
+        lambda: condition(cluster.get("md", pods.NAME, "-n", NAMESPACE), "Ready") == "True", 60, "Ready"
+    )
+    assert md["status"]["readyReplicas"] == 1
+    assert "Paris" in pods.ask_capital_of_france(router_url(cluster))
+
+
+def _flag(deployment: dict[str, Any], flag: str) -> str:
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args[args.index(flag) + 1] if flag in args else ""
+
+
+def test_kubectl_scale_md_scales_the_engines_and_status_follows(cluster: Cluster, served: str) -> None:
+    cluster.kubectl("scale", "md", pods.NAME, "-n", NAMESPACE, "--replicas=2")
+    wait_until(lambda: engine_deployment(cluster)["spec"]["replicas"] == 2, 60, "the Deployment at 2")
+    columns = printer_columns(cluster)
+    assert columns["REPLICAS"] == "2", columns
+    wait_until(lambda: len(cluster.ready_pods(NAMESPACE, ENGINE)) == 2, ENGINE_READY_S, "2 engines ready")
+    wait_until(lambda: printer_columns(cluster)["READY"] == "2", 60, "READY 2 in `kubectl get md`")
+    md = cluster.get("md", pods.NAME, "-n", NAMESPACE)
+    assert md["status"]["replicas"] == 2 and condition(md, "EngineReady") == "True", md["status"]
+    assert printer_columns(cluster)["PHASE"] == "Ready"
+
+
+# --- 6. an engine pod killed under load ----------------------------------------------------------------
+
+LOAD_WORKERS = 4
+DISCOVERY_BOUND_S = 10.0  # the router's watch plus its 1 s health checks, with room for 2 busy cores
+
+
+@dataclass
+class Outcome:
+    started: float
+    ok: bool
+    detail: str
+
+
+def load(url: str, stop: threading.Event, outcomes: list[Outcome]) -> None:
+    """Whole (not streamed) chat completions back to back: none has a byte on the wire before it is done,
+    so the router may retry each one on another replica and none may be lost."""
+    body = {"model": pods.NAME, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8}
+    headers = {"Authorization": f"Bearer {pods.API_KEY}"}
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                reply = client.post(f"{url}/chat/completions", json=body, headers=headers)
+                outcomes.append(Outcome(started, reply.status_code == 200, reply.text[:200]))
+            except httpx.HTTPError as error:
+                outcomes.append(Outcome(started, False, repr(error)))
+
+
+def backend_ready(url: str, backend: str) -> float | None:
+    """The router's own view of one replica (`pagedserve_router_backend_ready`), None when it has none."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("pagedserve_router_backend_ready{") and f'"{backend}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_an_engine_killed_under_load_loses_no_request(cluster: Cluster, served: str) -> None:
+    engines = cluster.ready_pods(NAMESPACE, ENGINE)
+    assert len(engines) == 2, "runs after the scale to 2"
+    victim = engines[0]
+    port = victim["spec"]["containers"][0]["ports"][0]["containerPort"]
+    backend = f"http://{victim['status']['podIP']}:{port}"
+    url = router_url(cluster)
+    assert backend_ready(url, backend) == 1.0
+
+    stop, outcomes = threading.Event(), []
+    workers = [threading.Thread(target=load, args=(url, stop, outcomes)) for _ in range(LOAD_WORKERS)]
+    for worker in workers:
+        worker.start()
+    try:
+        wait_until(lambda: sum(o.ok for o in outcomes) >= 8, 120, "load flowing through both engines")
+        killed_at = time.monotonic()
+        cluster.node.kill(NAMESPACE, victim["metadata"]["name"])
+        wait_until(
+            lambda: backend_ready(url, backend) in (0.0, None), DISCOVERY_BOUND_S, "the router dropping it"
+        )
+        dropped_after = time.monotonic() - killed_at
+        time.sleep(5)  # load on the survivor alone
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(150)
+    failed = [o for o in outcomes if not o.ok]
+    after_kill = [o for o in outcomes if o.started >= killed_at]
+    assert not failed, f"{len(failed)} of {len(outcomes)} requests lost: {failed[:3]}"
+    assert after_kill, "no request was sent after the kill"
+    assert dropped_after <= DISCOVERY_BOUND_S
+
+
+# --- 4 (end). deletion: the garbage collector removes every child, with or without the operator ------
+
+CHILD_KINDS = "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
+OPERATOR_DEPLOYMENT = f"{chart.RELEASE}-pagedserve"
+
+
+def children(cluster: Cluster, name: str) -> list[str]:
+    listed = cluster.get(CHILD_KINDS, "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={name}")
+    return [f"{o['kind']}/{o['metadata']['name']}" for o in listed["items"]]
+
+
+def scale_operator(cluster: Cluster, replicas: int) -> None:
+    cluster.kubectl(
+        "scale", "deployment", OPERATOR_DEPLOYMENT, "-n", OPERATOR_NAMESPACE, f"--replicas={replicas}"
+    )
+    selector = "app.kubernetes.io/component=operator"
+    wait_until(
+        lambda: (
+            len(cluster.ready_pods(OPERATOR_NAMESPACE, selector)) == replicas
+            and len(cluster.pods(OPERATOR_NAMESPACE, selector)) == replicas
+        ),
+        120,
+        f"{replicas} operator pods",
+    )
+
+
+def test_deleting_with_the_operator_stopped_collects_everything(cluster: Cluster, served: str) -> None:
+    assert children(cluster, pods.NAME)
+    scale_operator(cluster, 0)
+    try:
+        cluster.kubectl("delete", "md", pods.NAME, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+        wait_until(lambda: not children(cluster, pods.NAME), 120, "every child collected")
+    finally:
+        scale_operator(cluster, 1)
+
+
+def test_deleting_with_the_operator_running_collects_everything(cluster: Cluster, served: str) -> None:
+    name = "gc-probe"
+    manifest = modeldeployment(replicas=0)  # no engine to load: the children are what is collected
+    manifest["metadata"]["name"] = name
+    cluster.apply(manifest)
+    wait_until(lambda: f"Deployment/{name}-router" in children(cluster, name), 120, "the children created")
+    cluster.kubectl("delete", "md", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    wait_until(lambda: not children(cluster, name), 120, "every child collected")
+
+
+# --- 5. two operator replicas: one reconciles, and hands over when it dies --------------------------
+
+PEERING = "pagedserve"
+HANDLED = "Handler '"  # every kopf handler run logs "Handler '<id>' succeeded." (or failed)
+
+
+def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    return cluster.ready_pods(OPERATOR_NAMESPACE, "app.kubernetes.io/component=operator")
+
+
+def live_peers(cluster: Cluster) -> dict[str, int]:
+    """Pod name -> priority of the replicas in the peering object (kopf's own record of them)."""
+    found = cluster.kubectl("get", "clusterkopfpeering", PEERING, "-o", "json", check=False)
+    if found.returncode != 0:
+        return {}
+    status = json.loads(found.stdout).get("status") or {}
+    return {peer: int(info["priority"]) for peer, info in status.items()}
+
+
+def handled_lines(cluster: Cluster, pod: str) -> int:
+    return cluster.node.run_of(OPERATOR_NAMESPACE, pod).process.log_text().count(HANDLED)
+
+
+def probe_modeldeployment(cluster: Cluster, name: str) -> None:
+    """A ModelDeployment with no engine to load, reconciled once its router Deployment exists."""
+    manifest = modeldeployment(replicas=0)
+    manifest["metadata"]["name"] = name
+    cluster.apply(manifest)
+    wait_until(
+        lambda: f"Deployment/{name}-router" in children(cluster, name),
+        2 * PEERING_LIFETIME_S + 60,
+        f"{name} reconciled",
+    )
+
+
+def test_two_operator_replicas_elect_one_and_hand_over(cluster: Cluster, release: str) -> None:
+    chart.helm(
+        "upgrade",
+        release,
+        str(chart.CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--reuse-values",
+        "--set",
+        "operator.replicas=2",
+        "--set",
+        f"operator.peering={PEERING}",
+        "--kubeconfig",
+        str(cluster.plane.admin_kubeconfig),
+        "--wait",
+        "--timeout",
+        "180s",
+    )
+    wait_until(lambda: len(operator_pods(cluster)) == 2, 120, "2 operator replicas ready")
+    names = {p["metadata"]["name"] for p in operator_pods(cluster)}
+    wait_until(lambda: set(live_peers(cluster)) == names, 60, "both replicas in the peering object")
+    peers = live_peers(cluster)
+    active = max(peers, key=peers.__getitem__)
+    (standby,) = names - {active}
+    wait_until(
+        lambda: "Pausing operations" in cluster.node.run_of(OPERATOR_NAMESPACE, standby).process.log_text(),
+        60,
+        "the lower priority replica paused",
+    )
+
+    before = {name: handled_lines(cluster, name) for name in names}
+    probe_modeldeployment(cluster, "peer-a")
+    time.sleep(3)  # any straggling handler of the standby would show by now
+    assert handled_lines(cluster, active) > before[active]
+    assert handled_lines(cluster, standby) == before[standby], "the paused replica reconciled too"
+
+    cluster.node.kill(OPERATOR_NAMESPACE, active, restart=False)  # a crash, and no quick restart
+    killed_at = time.monotonic()
+    standby_before = handled_lines(cluster, standby)
+    probe_modeldeployment(cluster, "peer-b")
+    assert handled_lines(cluster, standby) > standby_before
+    assert "Resuming operations" in cluster.node.run_of(OPERATOR_NAMESPACE, standby).process.log_text()
+    assert time.monotonic() - killed_at <= 2 * PEERING_LIFETIME_S + 60

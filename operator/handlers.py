@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,8 @@ from pagedserve.operator.resources import MANAGER
 from pagedserve.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 RETRY_DELAY = 15.0
+# Seconds after its last heartbeat that a silent (crashed) replica stops holding the others paused.
+PEERING_LIFETIME_S = 30
 
 
 class _State:
@@ -71,6 +74,12 @@ def _kube() -> Kube:
 async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # No handler requires a finalizer; naming it lets kopf remove the one earlier versions added.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # kopf pauses every replica that sees a peer of the same or a higher priority (docs/peering.rst), so
+    # replicas started alike (one Deployment, one priority) would all pause: a random priority per
+    # process leaves exactly one active. A replica that dies without saying goodbye stops counting once
+    # its record is older than the lifetime; then the next in priority resumes.
+    settings.peering.priority = random.SystemRandom().randint(1, 2**30)
+    settings.peering.lifetime = PEERING_LIFETIME_S
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"

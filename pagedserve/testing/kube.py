@@ -317,17 +317,31 @@ def modeldeployment_schema() -> CRDSchema:
     return CRDSchema(load_crd())
 
 
+@functools.cache
+def chart_crd_schemas() -> dict[tuple[str, str], CRDSchema]:
+    """(apiVersion, kind) -> schema of every custom resource whose CRD ships in the chart's crds/
+    (the ModelDeployment, kopf's peering kinds), so the chart's own objects of those kinds are
+    validated as the API server would validate them after `helm install` put the CRDs there."""
+    found = {}
+    for path in sorted((REPO / "charts" / "pagedserve" / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in crd["spec"]["versions"]:
+                schema = CRDSchema(crd, version["name"])
+                found[(schema.api_version, schema.kind)] = schema
+    return found
+
+
 # -- one entry point -------------------------------------------------------------------------------
 
 
 def errors(manifest: dict[str, Any], minor: str) -> list[str]:
     """Every problem the API server of ``minor`` would report for one manifest, as 'path: message'."""
     api_version, kind = manifest.get("apiVersion", ""), manifest.get("kind", "")
-    md = modeldeployment_schema()
-    if (api_version, kind) == (md.api_version, md.kind):
-        # The CRD's root metadata is only `type: object` (the API server checks ObjectMeta itself).
+    custom = chart_crd_schemas().get((api_version, kind))
+    if custom is not None:
+        # A CRD's root metadata is only `type: object` (the API server checks ObjectMeta itself).
         named = isinstance(manifest.get("metadata"), dict) and manifest["metadata"].get("name")
-        return ([] if named else ["metadata.name: Required value"]) + md.errors(manifest)
+        return ([] if named else ["metadata.name: Required value"]) + custom.errors(manifest)
     if api_version == PMO_API_VERSION and kind in PMO_KINDS:
         return sorted(describe(error) for error in pmo_validator(kind).iter_errors(manifest))
     if api_version == KEDA_API_VERSION and kind in KEDA_KINDS:

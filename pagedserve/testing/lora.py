@@ -58,8 +58,9 @@ def make_peft_adapter(
     return out
 
 
-def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompts: list[list[int]],
-                max_tokens: int) -> list[list[int]]:
+def peft_greedy(
+    base_dir: str | Path, adapter_dir: str | Path | None, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
     """HF Transformers (+ peft's ``PeftModel`` when ``adapter_dir`` is given) greedy continuations of each
     prompt's token ids, float32 on the CPU: the reference the engine must equal token for token."""
     import torch
@@ -75,8 +76,11 @@ def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompts: l
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
             )
-            outputs.append(out[0, len(ids):].tolist())
+            outputs.append(out[0, len(ids) :].tolist())
     return outputs

@@ -74,6 +74,7 @@ class PodRun:
     restarts: int = 0
     ready: bool = False
     exited_at: float | None = None
+    held: bool = False  # not restarted after it exits (a container in a long back-off)
     reported: tuple | None = None
 
 
@@ -87,8 +88,15 @@ class TestNode:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _log: logging.Handler | None = None
 
     def start(self) -> TestNode:
+        # what the node did and what went wrong, beside the pods' own logs (a kubelet's journal)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._log = logging.FileHandler(self.workdir / "node.log")
+        self._log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(self._log)
+        logger.setLevel(logging.INFO)
         api_client = config.new_client_from_config(config_file=str(self.plane.admin_kubeconfig))
         self.core = client.CoreV1Api(api_client)
         self._register()
@@ -103,6 +111,9 @@ class TestNode:
         with self._lock:
             for run in list(self.pods.values()):
                 self._end(run)
+        if self._log is not None:
+            logger.removeHandler(self._log)
+            self._log.close()
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -119,11 +130,15 @@ class TestNode:
         listed = self.core.list_pod_for_all_namespaces().items
         seen = set()
         for pod in listed:
-            if not pod.spec.node_name:
-                self._bind(pod)
-            elif pod.spec.node_name == self.name:
+            if pod.spec.node_name == self.name:
                 seen.add(pod.metadata.uid)
-                self._sync_pod(pod)
+            try:  # one pod's trouble (a missing Secret, a failed token) must not stall the others
+                if not pod.spec.node_name:
+                    self._bind(pod)
+                elif pod.spec.node_name == self.name:
+                    self._sync_pod(pod)
+            except Exception:
+                logger.exception("test node: pod %s/%s", pod.metadata.namespace, pod.metadata.name)
         for uid in set(self.pods) - seen:  # force-deleted: nothing left to report to
             self._end(self.pods[uid])
 
@@ -203,6 +218,7 @@ class TestNode:
             started_at=_now(),
         )
         self.pods[run.uid] = run
+        logger.info("started %s/%s at %s: %s", run.namespace, run.name, ip, " ".join(argv))
         return run
 
     def _env(self, pod: dict, container: dict, ip: str, folder: Path) -> dict[str, str]:
@@ -269,6 +285,8 @@ class TestNode:
         """Restart an exited container (restartPolicy Always, after a back-off); probe readiness."""
         if not run.process.running:
             run.ready = False
+            if run.held:
+                return
             if run.exited_at is None:
                 run.exited_at = time.monotonic()
             elif time.monotonic() - run.exited_at >= RESTART_BACKOFF_S:
@@ -329,6 +347,7 @@ class TestNode:
             run.reported = state
 
     def _end(self, run: PodRun) -> None:
+        logger.info("stopping %s/%s", run.namespace, run.name)
         run.process.stop()
         self.pods.pop(run.uid, None)
         self._release_address(run.ip)
@@ -360,9 +379,12 @@ class TestNode:
         with self._lock:
             return next(r for r in self.pods.values() if (r.namespace, r.name) == (namespace, name))
 
-    def kill(self, namespace: str, name: str) -> None:
-        """SIGKILL a pod's container (a crash); the node restarts it as a kubelet would."""
-        self.run_of(namespace, name).process.kill()
+    def kill(self, namespace: str, name: str, restart: bool = True) -> None:
+        """SIGKILL a pod's container (a crash); the node restarts it as a kubelet would, unless
+        ``restart`` is False (as if it were in a long crash-loop back-off)."""
+        run = self.run_of(namespace, name)
+        run.held = not restart
+        run.process.kill()
 
 
 def _executable(name: str) -> str:

@@ -80,6 +80,8 @@ NON_DEFAULT = {
     },
 }
 
+# kopf names a replica in its peering object by this (charts/pagedserve/templates/deployment.yaml)
+POD_ID_ENV = {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
 CASES = {"default": None, "all-on": ALL_ON, "non-default": NON_DEFAULT}
 
 
@@ -110,6 +112,8 @@ def test_objects_are_namespaced_in_the_release_namespace(rendered) -> None:
             assert ns is None, obj["kind"]
         elif obj["kind"] == "ConfigMap" and case == "non-default":
             assert ns == "monitoring"
+        elif obj["kind"] == "KopfPeering":  # one in each watched namespace: the operators meet there
+            assert ns in ("ml", "ml-staging"), ns
         else:
             assert ns == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
 
@@ -158,7 +162,7 @@ def test_operator_deployment_follows_values() -> None:
         "--verbose",
         "--resync-seconds=30",
     ]
-    assert container["env"] == [{"name": "EXTRA", "value": "1"}]
+    assert container["env"] == [POD_ID_ENV, {"name": "EXTRA", "value": "1"}]
     binding = one(objects, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "custom-sa", "namespace": NAMESPACE}]
     assert one(objects, "ServiceAccount")["metadata"]["annotations"] == {"iam.example.com/role": "x"}
@@ -174,7 +178,7 @@ def test_default_operator_args() -> None:
         "--liveness=http://0.0.0.0:8080/healthz",
         f"--default-router-image={container['image']}",
     ]
-    assert "env" not in container
+    assert container["env"] == [POD_ID_ENV]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -333,8 +337,18 @@ def test_chart_crd_is_the_generated_crd() -> None:
     assert copy.read_text() == generated()["charts/pagedserve/crds/modeldeployment.yaml"], (
         "charts/pagedserve/crds/modeldeployment.yaml is out of date: run `make manifests`"
     )
-    crd = one(render(), "CustomResourceDefinition")
-    assert crd["spec"]["group"] == "pagedserve.io" and crd["spec"]["names"]["kind"] == "ModelDeployment"
+    crds = {c["spec"]["names"]["kind"]: c for c in by_kind(render(), "CustomResourceDefinition")}
+    # kopf's peering kinds ship beside it (crds/kopf-peering.yaml) for operator.replicas > 1
+    assert set(crds) == {"ModelDeployment", "KopfPeering", "ClusterKopfPeering"}
+    assert crds["ModelDeployment"]["spec"]["group"] == "pagedserve.io"
+
+
+def test_several_operator_replicas_get_their_peering_object() -> None:
+    objects = render({"operator": {"replicas": 2, "peering": "ps-peers"}})
+    assert [p["metadata"]["name"] for p in by_kind(objects, "ClusterKopfPeering")] == ["ps-peers"]
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=ps-peers" in args
+    assert not by_kind(render(), "ClusterKopfPeering")  # one replica: standalone, no object
 
 
 def test_chart_rbac_is_the_operators() -> None:
