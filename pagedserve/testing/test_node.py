@@ -358,8 +358,10 @@ class TestNode:
             self.core.delete_namespaced_pod(
                 pod.metadata.name,
                 pod.metadata.namespace,
-                grace_period_seconds=0,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=pod.metadata.uid)),
+                # in the body: with a body, the API server reads the options from it alone
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=pod.metadata.uid)
+                ),
             )
 
     # --- addresses --------------------------------------------------------------------------------
