@@ -10,8 +10,8 @@ applies), runs the readiness probe and reports status; a container that exits is
 being deleted is stopped and then removed.
 
 Pod addresses: the API server refuses loopback addresses (127.0.0.0/8) in EndpointSlices, so each pod
-gets an address from ``POD_NETWORK`` added to this machine's loopback device for its lifetime (root
-only). A pod's process binds it where its args say 0.0.0.0, as a process in a pod's own network
+gets an address from a /24 of ``POD_NETWORK_PREFIX``, added to this machine's loopback device for its
+lifetime (root only). A pod's process binds it where its args say 0.0.0.0, as a process in a pod's own network
 namespace would; packets to it never leave this machine.
 """
 
@@ -40,7 +40,9 @@ from pagedserve.testing.processes import CHILD_ENV_DEFAULTS, ManagedProcess
 
 logger = logging.getLogger(__name__)
 
-POD_NETWORK = "198.18.0."  # RFC 2544's benchmarking range: routed nowhere, on this machine only
+# RFC 2544's benchmarking range 198.18.0.0/15: routed nowhere; each node takes a /24 of it that no
+# address on this machine is in yet, so two runs side by side (CI beside a developer's) never share one.
+POD_NETWORK_PREFIX = "198.18."
 FIRST_HOST, LAST_HOST = 2, 254
 IMAGE_ENTRYPOINT = ["pagedserve"]  # every pagedserve image's ENTRYPOINT (Dockerfile)
 SYNC_INTERVAL_S = 0.5
@@ -85,12 +87,14 @@ class TestNode:
     name: str = "e2e-node"
     pods: dict[str, PodRun] = field(default_factory=dict)  # by pod uid
     _free_hosts: list[int] = field(default_factory=lambda: list(range(FIRST_HOST, LAST_HOST + 1)))
+    _subnet: str = ""  # "198.18.N.", chosen at start
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _log: logging.Handler | None = None
 
     def start(self) -> TestNode:
+        self._subnet = _unused_subnet()
         # what the node did and what went wrong, beside the pods' own logs (a kubelet's journal)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._log = logging.FileHandler(self.workdir / "node.log")
@@ -367,7 +371,7 @@ class TestNode:
     # --- addresses --------------------------------------------------------------------------------
 
     def _take_address(self) -> str:
-        ip = f"{POD_NETWORK}{self._free_hosts.pop(0)}"
+        ip = f"{self._subnet}{self._free_hosts.pop(0)}"
         subprocess.run(["ip", "addr", "replace", f"{ip}/32", "dev", "lo"], check=True)
         return ip
 
@@ -387,6 +391,15 @@ class TestNode:
         run = self.run_of(namespace, name)
         run.held = not restart
         run.process.kill()
+
+
+def _unused_subnet() -> str:
+    shown = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    for third in range(256):
+        subnet = f"{POD_NETWORK_PREFIX}{third}."
+        if f" {subnet}" not in shown:
+            return subnet
+    raise RuntimeError(f"no free /24 left in {POD_NETWORK_PREFIX}0.0/16")
 
 
 def _executable(name: str) -> str:
