@@ -9,7 +9,8 @@ so the tokens that come out are distributed exactly as without speculation:
 - greedy: drafts are accepted while they equal the target's argmax; the argmax after them follows.
 - random (Leviathan et al. 2023, vLLM's RejectionSampler): draft ``x`` is accepted with probability
   ``min(1, p(x) / q(x))``; at the first rejection a token is drawn from ``normalize(max(p - q, 0))``,
-  after all ``k`` accepted a bonus token from ``p``. An n-gram draft is a point mass (``q(x) = 1``).
+  after all ``k`` accepted a bonus token from ``p``. An n-gram draft is a point mass (``q(x) = 1``); a
+  draft model sampling at the request's temperature passes its ``q`` (server/spec_decode/draft_model.py).
   Uniforms and draws come from the request's own generator when it is seeded, so seeds reproduce.
 
 Requests with a grammar are never drafted for (server/spec_decode/proposer.py), so no bitmask here.
@@ -30,8 +31,11 @@ from pagedserve.server.worker.sampler import (
 )
 
 
-def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[int]) -> list[SampledToken]:
-    """``logits`` ``[k + 1, vocab]`` for ``k`` drafts: the accepted drafts and one more token."""
+def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[int],
+                  draft_probs: torch.Tensor | None = None) -> list[SampledToken]:
+    """``logits`` ``[k + 1, vocab]`` for ``k`` drafts: the accepted drafts and one more token.
+    ``draft_probs`` ``[k, vocab]``: the distributions a sampling draft model drew the drafts from (None:
+    each draft a point mass, as n-gram and greedy drafts are)."""
     views = position_views(request, draft_token_ids)
     processed, raw_logprobs = process_logits(logits, views)
     if request.params.greedy:
@@ -41,7 +45,7 @@ def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[
     else:
         probs = filtered_probs(processed, views)
         drafts = torch.tensor(draft_token_ids, dtype=torch.long, device=logits.device)
-        token_ids = accept_drafts(probs, drafts, None, request.generator)
+        token_ids = accept_drafts(probs, drafts, draft_probs, request.generator)
     kept = views[: len(token_ids)]
     raw = raw_logprobs[: len(token_ids)] if raw_logprobs is not None else None
     return sampler_output(token_ids, raw, kept).to_host(kept)
