@@ -175,7 +175,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1")
         if self.kv_offload_bytes:
-            # The host tier copies the target's layers only: a block loaded back would lack the draft's K/V.
+            # The host tier copies the target's layers only: a loaded block would lack the draft's K/V.
             raise ValueError("speculative_config: a draft model is not supported with kv_offloading_size")
 
     @property
