@@ -173,7 +173,7 @@ class EngineConfig:
         if not isinstance(spec, SpeculativeConfig) or not spec.uses_draft_model:
             return
         if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1")
+            raise ValueError("speculative_config: a draft model is not supported with tensor parallelism")
         if self.kv_offload_bytes:
             # The host tier copies the target's layers only: a loaded block would lack the draft's K/V.
             raise ValueError("speculative_config: a draft model is not supported with kv_offloading_size")
