@@ -57,7 +57,9 @@ def test_ngram_config_from_vllm_dict_and_json() -> None:
          r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 2}, "must be >= 1"),
         ({"num_speculative_tokens": 2, "lookahead": 3}, r"unknown keys \['lookahead'\]"),
-        ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs 'model'"),
+        ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to method 'ngram' only"),
+        ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, "'draft_model' only"),
         ("{not json", "not valid JSON"),
         ([1, 2], "must be a dict"),
     ],
@@ -65,6 +67,30 @@ def test_ngram_config_from_vllm_dict_and_json() -> None:
 def test_bad_speculative_config_is_a_value_error_at_start_up(value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "not supported with tensor parallelism"),
+        ({"kv_offloading_size": 1.0}, "not supported with kv_offloading_size"),
+    ],
+)
+def test_draft_model_refusals_at_start_up(engine_args: dict, message: str) -> None:
+    draft = {"model": "some/draft", "num_speculative_tokens": 2}
+    assert EngineConfig(speculative_config=draft).speculative_config.method == "draft_model"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=draft, **engine_args)
+
+
+def test_draft_model_must_share_the_vocabulary() -> None:
+    from types import SimpleNamespace
+
+    from pagedserve.server.spec_decode.draft_model import check_draft_config
+
+    check_draft_config(SimpleNamespace(vocab_size=49152), SimpleNamespace(vocab_size=49152))
+    with pytest.raises(ValueError, match=r"vocab_size \(259\) differs from the target's \(49152\)"):
+        check_draft_config(SimpleNamespace(vocab_size=49152), SimpleNamespace(vocab_size=259))
 
 
 def test_server_flag_reaches_the_engine_config() -> None:
