@@ -1,7 +1,6 @@
 """Decides, after each step, which requests get draft tokens for the next one and how many.
 
 Drafting must not slow down what it cannot help (issue 18), so a request is not drafted for when:
-- it has a grammar (the matcher would have to verify and roll back each draft; skipped instead),
 - more than ``disable_by_batch_size`` requests run (vLLM's knob: the forward is compute-bound there and
   extra positions cost about what they save),
 - its acceptance estimate is low: an EWMA of the share of drafts accepted per step shortens ``k`` in
@@ -40,7 +39,9 @@ class DraftProposer:
             request.spec_token_ids = [] if batch_too_large else self._drafts(request)
 
     def _drafts(self, request: Request) -> list[int]:
-        if request.grammar is not None or request.finished:
+        # A grammar's requests are drafted for too: their drafts are checked against the matcher when
+        # verified (server/spec_decode/grammar_drafts.py).
+        if request.finished:
             return []
         if request.spec_cooldown > 0:
             request.spec_cooldown -= 1

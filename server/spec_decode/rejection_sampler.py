@@ -13,7 +13,8 @@ so the tokens that come out are distributed exactly as without speculation:
   draft model sampling at the request's temperature passes its ``q`` (server/spec_decode/draft_model.py).
   Uniforms and draws come from the request's own generator when it is seeded, so seeds reproduce.
 
-Requests with a grammar are never drafted for (server/spec_decode/proposer.py), so no bitmask here.
+A request with a grammar verifies only the drafts its matcher admits (and the first it refuses), each
+position under its own bitmask (server/spec_decode/grammar_drafts.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import dataclasses
 
 import torch
 from pagedserve.server.request import Request
+from pagedserve.server.spec_decode.grammar_drafts import check_drafts
+from pagedserve.server.structured_output.bitmask import GrammarBitmask
 from pagedserve.server.worker.sampler import (
     SampledToken,
     exponential_race,
@@ -36,8 +39,14 @@ def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[
     """``logits`` ``[k + 1, vocab]`` for ``k`` drafts: the accepted drafts and one more token.
     ``draft_probs`` ``[k, vocab]``: the distributions a sampling draft model drew the drafts from (None:
     each draft a point mass, as n-gram and greedy drafts are)."""
+    grammar: GrammarBitmask | None = None
+    if request.grammar is not None:
+        draft_token_ids, grammar = check_drafts(request.grammar, draft_token_ids)
+        grammar.bits = grammar.bits.to(logits.device)
+        logits = logits[: len(draft_token_ids) + 1]
+        draft_probs = draft_probs[: len(draft_token_ids)] if draft_probs is not None else None
     views = position_views(request, draft_token_ids)
-    processed, raw_logprobs = process_logits(logits, views)
+    processed, raw_logprobs = process_logits(logits, views, grammar)
     if request.params.greedy:
         target = processed.argmax(dim=-1)
         num_accepted = _num_leading_equal(target[:-1].tolist(), draft_token_ids)

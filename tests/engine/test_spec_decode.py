@@ -206,23 +206,53 @@ def test_sampled_tokens_after_drafts_keep_the_target_distribution(llm: LLM, spec
     assert_idle(spec_llm)
 
 
-def test_grammar_requests_are_not_drafted_for_and_keep_their_output(llm: LLM, spec_llm: LLM) -> None:
-    """Structured outputs skip drafting (the matcher is not rolled back over rejected drafts); the other
-    requests of the same batch still draft."""
+def test_structured_outputs_verify_drafts_through_the_grammar(llm: LLM, spec_llm: LLM) -> None:
+    """Requests with a grammar are drafted for; drafts are checked against the matcher, each verified
+    position masked, and the matcher advanced by accepted tokens only: the same constrained output."""
     from pagedserve.server.sampling_params import StructuredOutputsParams
 
-    pattern = r"(ab){6}c"  # repetitive text an n-gram would draft for
-    grammar = SamplingParams(temperature=0.0, max_tokens=20,
-                             structured_outputs=StructuredOutputsParams(regex=pattern))
-    drafted_before = spec_counts(spec_llm)[0]
-    (got,) = spec_llm.generate([PROMPTS[1]], grammar)
-    assert spec_counts(spec_llm)[0] == drafted_before
+    pattern = r"(ab){6}c"  # repetitive text an n-gram drafts for
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["name", "tags"]}
+    regex = SamplingParams(temperature=0.0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(regex=pattern))
+    json_params = SamplingParams(temperature=0.0, max_tokens=48,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    drafted_before, accepted_before = spec_counts(spec_llm)
+    (got,) = spec_llm.generate([PROMPTS[1]], regex)
     assert got.outputs[0].text == "ab" * 6 + "c"
-    plain = SamplingParams(temperature=0.0, max_tokens=20)
-    mixed = [grammar, plain]
-    assert token_ids(spec_llm, PROMPTS[1:3], mixed) == token_ids(llm, PROMPTS[1:3], mixed)
-    assert spec_counts(spec_llm)[0] > drafted_before
+    prompts = [PROMPTS[1], PROMPTS[3], "Describe a cat as JSON:", PROMPTS[2]]
+    mixed = [regex, json_params, json_params, SamplingParams(temperature=0.0, max_tokens=20)]
+    assert token_ids(spec_llm, prompts, mixed) == token_ids(llm, prompts, mixed)
+    drafted, accepted = spec_counts(spec_llm)
+    assert drafted > drafted_before and accepted > accepted_before
     assert_idle(spec_llm)
+
+
+def test_grammar_drafts_are_cut_after_the_first_refused_one(llm: LLM) -> None:
+    """The matcher keeps the admitted drafts and the first refused one, gives each position its own mask,
+    and ends where it began."""
+    import torch
+    from pagedserve.server.sampling_params import StructuredOutputsParams
+    from pagedserve.server.spec_decode.grammar_drafts import check_drafts
+    from pagedserve.server.structured_output.bitmask import apply_grammar_bitmask
+    from pagedserve.server.structured_output.compiler import GrammarCompiler
+
+    tokenizer = llm.get_tokenizer()
+    ab = tokenizer.encode("ab")
+    assert len(ab) == 1, ab
+    vocab = llm.engine.vocab_size
+    compiler = GrammarCompiler(tokenizer, vocab, frozenset({tokenizer.eos_token_id}))
+    grammar = compiler.compile(StructuredOutputsParams(regex=r"(ab){3}c")).new_state()
+    zz = tokenizer.encode("zz")[0]
+    kept, mask = check_drafts(grammar, [ab[0], ab[0], zz, ab[0]])
+    assert kept == [ab[0], ab[0], zz]
+    assert mask.bits.shape[0] == 4
+    allowed = apply_grammar_bitmask(torch.zeros(4, vocab), mask) == 0
+    abc = tokenizer.encode("abc")[0]  # llguidance admits the one token that ends "ababab c" here
+    assert allowed[0, ab[0]] and allowed[1, ab[0]] and allowed[2, abc] and not allowed[2, zz]
+    assert torch.equal(mask.bits[3], mask.bits[2])  # after the refused draft: never sampled from
+    assert grammar.accept(ab[0]) and grammar.accept(ab[0]) and grammar.accept(abc)  # rolled back to the start
 
 
 # ---- the draft model's mechanics: its own cache over the target's blocks --------------------------------
