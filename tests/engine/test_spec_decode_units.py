@@ -164,18 +164,29 @@ def test_rejection_sampler_is_reproducible_with_a_seeded_generator() -> None:
     assert _run_rejection(probs, None, 50, seed=11) == _run_rejection(probs, None, 50, seed=11)
 
 
-def test_acceptance_estimate_shortens_then_pauses_drafting() -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_acceptance_estimate_shortens_then_pauses_drafting(method: str) -> None:
+    """One mechanism for both methods: a draft model's drafts are counted here (PENDING, drawn by the
+    runner in the verifying step), an n-gram's looked up."""
     from pagedserve.server.engine.output import RequestMetrics
     from pagedserve.server.request import Request
     from pagedserve.server.sampling_params import SamplingParams
-    from pagedserve.server.spec_decode.proposer import COOLDOWN_STEPS, DraftProposer, record_acceptance
+    from pagedserve.server.spec_decode.proposer import (
+        COOLDOWN_STEPS,
+        PENDING,
+        DraftProposer,
+        record_acceptance,
+    )
 
-    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+    if method == "ngram":
+        cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+    else:
+        cfg = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
     proposer = DraftProposer(cfg, max_model_len=1000)
     request = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(), max_tokens=100,
                       eos_token_ids=frozenset(), metrics=RequestMetrics(arrival_time=0.0))
     proposer.propose([request], num_running=1)
-    assert request.spec_token_ids == [3, 1, 2, 3]
+    assert request.spec_token_ids == ([3, 1, 2, 3] if method == "ngram" else [PENDING] * 4)
     lengths = []
     while request.spec_cooldown == 0:  # nothing accepted, step after step
         record_acceptance(request, len(request.spec_token_ids), 0)
