@@ -1,6 +1,8 @@
-"""n-gram speculative decoding at batch 1. ``python -m pagedserve.benchmarks.spec_decode``.
+"""Speculative decoding at batch 1. ``python -m pagedserve.benchmarks.spec_decode``.
 
-Two engines on the embedded model, one with ``speculative_config`` (n-gram) and one without, decode the
+Two engines on the embedded model, one with ``speculative_config`` (n-gram by default; ``--draft-layers
+N`` drafts with a model instead: the embedded model itself for N = 0, else its first N layers,
+pagedserve/testing/draft_models.py) and one without, decode the
 same prompts one at a time, alternating prompt by prompt so that load on a shared machine hits both
 alike, on two workloads:
 
@@ -83,26 +85,46 @@ def run(prompts: list[str], base: Any, spec: Any, max_tokens: int) -> dict[str, 
     }
 
 
+def draft_folder(model: str, num_layers: int) -> str:
+    """The draft model's folder: the target itself (0), or its first layers cut into a temporary folder."""
+    if num_layers == 0:
+        return model
+    import tempfile
+
+    from pagedserve.testing.draft_models import truncated_draft
+
+    return str(truncated_draft(model, tempfile.mkdtemp(prefix="draft-"), num_layers))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="draft with a model: 0 the target itself, N its first N layers (overrides "
+                             "--speculative-config)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="with --draft-layers")
+    parser.add_argument("--prompts", type=int, default=None, help="only the first N prompts of each workload")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
 
     from pagedserve import LLM, default_model
 
     model = str(default_model())
+    if args.draft_layers is not None:
+        draft = {"model": draft_folder(model, args.draft_layers),
+                 "num_speculative_tokens": args.num_speculative_tokens}
+        args.speculative_config = json.dumps(draft)
     kv = {"kv_cache_memory_bytes": 256 << 20}
     base = LLM(model, **kv)
     spec = LLM(model, speculative_config=args.speculative_config, **kv)
     warm = ["Hello there."]
     run(warm, base, spec, 8)
     results = {
-        "grounded": run(grounded_prompts(), base, spec, args.max_tokens),
-        "free": run(FREE, base, spec, args.max_tokens),
+        "grounded": run(grounded_prompts()[: args.prompts], base, spec, args.max_tokens),
+        "free": run(FREE[: args.prompts], base, spec, args.max_tokens),
     }
     for name, figures in results.items():
         print(f"{name:9s} " + "  ".join(f"{k}={v}" for k, v in figures.items()))

@@ -99,6 +99,7 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         self._check_kv_offloading()
+        self._check_draft_model()
         if self.enable_kv_events and not self.enable_prefix_caching:
             raise ValueError("enable_kv_events needs enable_prefix_caching: without it no block is cached")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -165,6 +166,17 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier keeps cached blocks")
         self.kv_offloading_backend = "native"
+
+    def _check_draft_model(self) -> None:
+        """A draft model's cache follows the target's blocks on one rank and in the device pool only."""
+        spec = self.speculative_config
+        if not isinstance(spec, SpeculativeConfig) or not spec.uses_draft_model:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model is not supported with tensor parallelism")
+        if self.kv_offload_bytes:
+            # The host tier copies the target's layers only: a loaded block would lack the draft's K/V.
+            raise ValueError("speculative_config: a draft model is not supported with kv_offloading_size")
 
     @property
     def kv_offload_bytes(self) -> int:

@@ -128,12 +128,14 @@ class EngineCore:
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.lora = self._make_lora_manager()
+        self.draft_model = self._load_draft_model()
         # This rank's KV heads: a shard of every block under tensor parallelism.
         layer = self.model.attention_layers()[0]
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-        num_layers = len(self.model.attention_layers())
-        block_bytes = ModelRunner.bytes_per_block(
-            num_layers, config.block_size, num_kv_heads, head_dim, self.kv_cache_dtype
+        block_bytes = sum(
+            ModelRunner.bytes_per_block(1, config.block_size, layer.num_kv_heads, layer.head_dim,
+                                        self.kv_cache_dtype)
+            for layer in self._kv_layers()
         )
         self.block_bytes = block_bytes
         self.num_blocks = self._num_blocks(block_bytes)
@@ -161,7 +163,29 @@ class EngineCore:
             lora=self.lora,
             ranks=self.ranks,
             num_host_blocks=self.num_host_blocks,
+            draft_model=self.draft_model,
         )
+
+    def _kv_layers(self) -> list[torch.nn.Module]:
+        """Every attention layer with a cache of the shared blocks: the target's, then the drafter's (so a
+        block's bytes, and the KV budget, count both)."""
+        draft = self.draft_model.attention_layers() if self.draft_model is not None else []
+        return [*self.model.attention_layers(), *draft]
+
+    def _load_draft_model(self) -> torch.nn.Module | None:
+        """speculative_config's draft model (method "draft_model"), by the target's loader, dtype and
+        backend; None for the other methods (server/config.py refuses it where its cache cannot follow the
+        target's: tensor parallelism, the host KV tier)."""
+        spec = self.config.speculative_config
+        if spec is None or not spec.uses_draft_model:
+            return None
+        from pagedserve.server.loader import load_config, load_model, resolve_model
+        from pagedserve.server.spec_decode.draft_model import check_draft_config
+
+        path = resolve_model(spec.model)
+        check_draft_config(self.hf_config, load_config(path))
+        model, _ = load_model(path, self.dtype, self.device, backend=self.backend)
+        return model
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one rank)."""

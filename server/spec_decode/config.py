@@ -1,9 +1,9 @@
 """``speculative_config``: vLLM's dict, parsed and checked once into ``SpeculativeConfig``.
 
 ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m}``
-proposes by prompt lookup (server/spec_decode/ngram.py). A draft model (``{"model": path, ...}``, method
-"draft_model") is recognised by name and refused until it is built, so a config meant for it never runs
-silently without it.
+proposes by prompt lookup (server/spec_decode/ngram.py). ``{"model": path, "num_speculative_tokens": k}``
+(method "draft_model") proposes with a smaller model of the same vocabulary, run by the model runner
+beside the target (server/spec_decode/draft_model.py).
 """
 
 from __future__ import annotations
@@ -65,8 +65,16 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not self.model:
                 raise ValueError("speculative_config: method 'draft_model' needs 'model'")
-            raise ValueError("speculative_config: method 'draft_model' is not supported yet; use 'ngram'")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("speculative_config: prompt_lookup_* apply to method 'ngram' only")
+            return
+        if self.model:
+            raise ValueError("speculative_config: 'model' applies to method 'draft_model' only")
         self._check_lookup()
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     def _check_lookup(self) -> None:
         # vLLM's defaults: neither given means 5..5, one given stands for both.

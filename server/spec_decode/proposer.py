@@ -1,13 +1,16 @@
 """Decides, after each step, which requests get draft tokens for the next one and how many.
 
 Drafting must not slow down what it cannot help (issue 18), so a request is not drafted for when:
-- it has a grammar (the matcher would have to verify and roll back each draft; skipped instead),
 - more than ``disable_by_batch_size`` requests run (vLLM's knob: the forward is compute-bound there and
   extra positions cost about what they save),
 - its acceptance estimate is low: an EWMA of the share of drafts accepted per step shortens ``k`` in
   proportion and, below ``OFF_BELOW``, stops drafting for ``COOLDOWN_STEPS`` steps, after which one short
   probe is made again (text changes: a rewrite may follow a free-form preamble).
 Drafts never pass max_tokens or max_model_len: the token after the last draft is always emitted too.
+The same decision serves both methods: n-gram drafts are looked up here; a draft model's are only counted
+here (``PENDING`` placeholders, so the scheduler reserves their slots) and filled in by the model runner
+at the start of the step that verifies them (server/spec_decode/draft_model.py), once their KV slots
+exist.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ EWMA_WEIGHT = 0.3  # weight of the newest step in the acceptance estimate
 FULL_AT = 0.5  # estimate from which the full k is drafted; below it k shrinks in proportion
 OFF_BELOW = 0.15  # estimate under which drafting pauses
 COOLDOWN_STEPS = 8
+PENDING = -1  # a draft model's token, chosen by the runner in the step that verifies it
 
 
 class DraftProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.config = config
         self.max_model_len = max_model_len
 
@@ -36,7 +39,9 @@ class DraftProposer:
             request.spec_token_ids = [] if batch_too_large else self._drafts(request)
 
     def _drafts(self, request: Request) -> list[int]:
-        if request.grammar is not None or request.finished:
+        # A grammar's requests are drafted for too: their drafts are checked against the matcher when
+        # verified (server/spec_decode/grammar_drafts.py).
+        if request.finished:
             return []
         if request.spec_cooldown > 0:
             request.spec_cooldown -= 1
@@ -45,6 +50,8 @@ class DraftProposer:
         k = min(self._allowed(request.spec_acceptance), room - 1)
         if k < 1:
             return []
+        if self.config.uses_draft_model:
+            return [PENDING] * k
         tokens = np.fromiter(_all_tokens(request), dtype=np.int64, count=request.num_tokens)
         cfg = self.config
         assert cfg.prompt_lookup_min is not None and cfg.prompt_lookup_max is not None

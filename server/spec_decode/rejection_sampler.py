@@ -9,10 +9,12 @@ so the tokens that come out are distributed exactly as without speculation:
 - greedy: drafts are accepted while they equal the target's argmax; the argmax after them follows.
 - random (Leviathan et al. 2023, vLLM's RejectionSampler): draft ``x`` is accepted with probability
   ``min(1, p(x) / q(x))``; at the first rejection a token is drawn from ``normalize(max(p - q, 0))``,
-  after all ``k`` accepted a bonus token from ``p``. An n-gram draft is a point mass (``q(x) = 1``).
+  after all ``k`` accepted a bonus token from ``p``. An n-gram draft is a point mass (``q(x) = 1``); a
+  draft model sampling at the request's temperature passes its ``q`` (server/spec_decode/draft_model.py).
   Uniforms and draws come from the request's own generator when it is seeded, so seeds reproduce.
 
-Requests with a grammar are never drafted for (server/spec_decode/proposer.py), so no bitmask here.
+A request with a grammar verifies only the drafts its matcher admits (and the first it refuses), each
+position under its own bitmask (server/spec_decode/grammar_drafts.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import dataclasses
 
 import torch
 from pagedserve.server.request import Request
+from pagedserve.server.spec_decode.grammar_drafts import check_drafts
+from pagedserve.server.structured_output.bitmask import GrammarBitmask
 from pagedserve.server.worker.sampler import (
     SampledToken,
     exponential_race,
@@ -30,10 +34,19 @@ from pagedserve.server.worker.sampler import (
 )
 
 
-def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[int]) -> list[SampledToken]:
-    """``logits`` ``[k + 1, vocab]`` for ``k`` drafts: the accepted drafts and one more token."""
+def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[int],
+                  draft_probs: torch.Tensor | None = None) -> list[SampledToken]:
+    """``logits`` ``[k + 1, vocab]`` for ``k`` drafts: the accepted drafts and one more token.
+    ``draft_probs`` ``[k, vocab]``: the distributions a sampling draft model drew the drafts from (None:
+    each draft a point mass, as n-gram and greedy drafts are)."""
+    grammar: GrammarBitmask | None = None
+    if request.grammar is not None:
+        draft_token_ids, grammar = check_drafts(request.grammar, draft_token_ids)
+        grammar.bits = grammar.bits.to(logits.device)
+        logits = logits[: len(draft_token_ids) + 1]
+        draft_probs = draft_probs[: len(draft_token_ids)] if draft_probs is not None else None
     views = position_views(request, draft_token_ids)
-    processed, raw_logprobs = process_logits(logits, views)
+    processed, raw_logprobs = process_logits(logits, views, grammar)
     if request.params.greedy:
         target = processed.argmax(dim=-1)
         num_accepted = _num_leading_equal(target[:-1].tolist(), draft_token_ids)
@@ -41,7 +54,7 @@ def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[
     else:
         probs = filtered_probs(processed, views)
         drafts = torch.tensor(draft_token_ids, dtype=torch.long, device=logits.device)
-        token_ids = accept_drafts(probs, drafts, None, request.generator)
+        token_ids = accept_drafts(probs, drafts, draft_probs, request.generator)
     kept = views[: len(token_ids)]
     raw = raw_logprobs[: len(token_ids)] if raw_logprobs is not None else None
     return sampler_output(token_ids, raw, kept).to_host(kept)

@@ -9,7 +9,9 @@ A decode with draft tokens runs as a short chunk (the last known token, then the
 position gets logits; server/spec_decode/rejection_sampler.py keeps the drafts the target agrees with.
 With a host KV tier the runner owns its tensors (each layer's K and V, the cache's shape and dtype, in
 pinned memory beside a GPU) and applies the step's ``KVTransfers`` before the forward pass
-(server/core/host_tier.py decides them).
+(server/core/host_tier.py decides them). With a draft model (server/spec_decode/draft_model.py) the
+runner first fills the step's pending drafts with it, then mirrors the target's forward pass over the
+drafter's own layers (its KV in the same slots), and hands its draw distributions to the verifier.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.lora.manager import LoRAManager
 from pagedserve.server.request import Request
+from pagedserve.server.spec_decode.draft_model import DraftModel
 from pagedserve.server.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
@@ -60,6 +63,8 @@ class StepInputs:
     spec_indices: list[int] = field(default_factory=list)
     spec_requests: list[ScheduledRequest] = field(default_factory=list)
     ordered: list[ScheduledRequest] = field(default_factory=list)  # the batch's order: decodes, prefills
+    # A sampling draft model's distributions per request id (server/spec_decode/draft_model.py)
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 StepResult = list[tuple[Request, list[SampledToken] | Exception]]
 
@@ -82,6 +87,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         ranks: TPDriver | None = None,
         num_host_blocks: int = 0,
+        draft_model: nn.Module | None = None,
     ) -> None:
         """``dtype``: the KV cache's (``EngineConfig.torch_kv_cache_dtype``), which may be FP8 while the
         model computes in another. ``calculate_kv_scales``: the first prefill after start-up sets each
@@ -90,7 +96,8 @@ class ModelRunner:
         step's token -> slot mapping, and the engine runs such a model without CUDA graphs. ``ranks``:
         the other tensor-parallel ranks (server/distributed/driver.py), told of every model call first;
         None on one rank.
-        ``num_host_blocks``: the host KV tier's blocks on this rank (0: none)."""
+        ``num_host_blocks``: the host KV tier's blocks on this rank (0: none). ``draft_model``: the
+        speculative drafter, given a cache of the same blocks (server/spec_decode/draft_model.py)."""
         if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
             raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
         self.model = model
@@ -105,6 +112,9 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.host_caches = self._host_caches(num_host_blocks, shape[1:], dtype)
+        self.drafter: DraftModel | None = None
+        if draft_model is not None:
+            self.drafter = DraftModel(draft_model, num_blocks, block_size, dtype, device)
         self.graphs: DecodeGraphs | None = None
         if backend.supports_cuda_graphs and not enforce_eager:
             self.graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len, block_size, device)
@@ -170,13 +180,17 @@ class ModelRunner:
         """One forward pass; each sampled request's new tokens (one, or the accepted drafts and one more),
         or the exception its row alone raised. ``active_loras``: the adapters of every running request,
         whose device slots this step must not take. ``kv_transfers``: the host tier's copies, made first."""
+        draft_probs = self._draft(scheduled, block_ids) if self.drafter is not None else {}
         inputs = self.prepare(scheduled, block_ids)
+        inputs.draft_probs = draft_probs
         inputs.model.kv_transfers = kv_transfers
         if self.lora is not None:
             self._set_lora_mapping(inputs.ordered, active_loras or set())
         if self.ranks is not None:
             self.ranks.forward(inputs.model)
         hidden = self.run_model(inputs.model)
+        if self.drafter is not None:
+            self.drafter.mirror(inputs.model.input_ids, inputs.model.positions, inputs.model.meta)
         # After the launch: on a GPU the matchers' CPU work overlaps the forward pass.
         grammar = fill_grammar_bitmask(inputs.sampled_requests)
         if grammar is not None:
@@ -221,6 +235,16 @@ class ModelRunner:
         counts = torch.tensor([item.num_new_tokens for item in ordered], dtype=torch.long)
         self.lora.set_token_slots(self._to_device(slots.repeat_interleave(counts)))
 
+    def _draft(self, scheduled: list[ScheduledRequest],
+               block_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """The drafter's tokens for the step's pending drafts (their slots are allocated already)."""
+        assert self.drafter is not None
+        pending = [s for s in scheduled if s.spec_token_ids]
+        if not pending:
+            return {}
+        tables = _pad_block_tables([block_ids[s.request.request_id] for s in pending])
+        return self.drafter.propose(pending, tables, self._to_device)
+
     def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> StepResult:
         spec_rows = self._to_device(torch.tensor(inputs.spec_indices, dtype=torch.long))
         logits = self.compute_logits(hidden.index_select(0, spec_rows))
@@ -230,7 +254,8 @@ class ModelRunner:
             rows = logits[first:first + len(item.spec_token_ids) + 1]
             first += rows.shape[0]
             try:
-                results.append((item.request, verify_drafts(rows, item.request, item.spec_token_ids)))
+                q = inputs.draft_probs.get(item.request.request_id)
+                results.append((item.request, verify_drafts(rows, item.request, item.spec_token_ids, q)))
             except Exception as exc:  # this request's rows: it fails alone, as in sample_each
                 results.append((item.request, exc))
         return results

@@ -1,4 +1,5 @@
-"""n-gram speculative decoding through ``LLM`` on the embedded model: greedy output identical to the same
+"""Speculative decoding through ``LLM`` on the embedded model, by n-gram and by a draft model (the embedded
+model cut to its first layers, pagedserve/testing/draft_models.py): greedy output identical to the same
 engine without speculation, under every scheduling regime, and sampling at temperature > 0 distributed as
 without it. Held-out prompts: some copy their input (drafts are accepted), some do not."""
 
@@ -11,10 +12,14 @@ from typing import Any
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.testing.draft_models import truncated_draft
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # Drafting is off above disable_by_batch_size running requests; these tests batch more than its default.
 NGRAM_ANY_BATCH = {**NGRAM, "disable_by_batch_size": 512}
+# The draft model keeps this many of the target's 30 layers: it agrees with the target often, not always.
+DRAFT_LAYERS = 20
+METHODS = ["ngram", "draft"]
 
 PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion "
            "about heating costs and the price of books, the members agreed to spend less on furniture.")
@@ -29,8 +34,19 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def spec_llm(model_path: str) -> LLM:
-    return LLM(model_path, speculative_config=NGRAM_ANY_BATCH)
+def draft_path(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(truncated_draft(model_path, tmp_path_factory.mktemp("draft"), DRAFT_LAYERS))
+
+
+@pytest.fixture(scope="module")
+def spec_configs(draft_path: str) -> dict[str, dict[str, Any]]:
+    draft = {"model": draft_path, "num_speculative_tokens": 3, "disable_by_batch_size": 512}
+    return {"ngram": NGRAM_ANY_BATCH, "draft": draft}
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def spec_llm(request: pytest.FixtureRequest, model_path: str, spec_configs: dict[str, dict[str, Any]]) -> LLM:
+    return LLM(model_path, speculative_config=spec_configs[request.param])
 
 
 def token_ids(llm: LLM, prompts: list[Any], params: Any) -> list[list[list[int]]]:
@@ -101,6 +117,7 @@ def test_n_stop_strings_and_logprobs(llm: LLM, spec_llm: LLM) -> None:
     assert_idle(spec_llm)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -111,9 +128,10 @@ def test_n_stop_strings_and_logprobs(llm: LLM, spec_llm: LLM) -> None:
     ],
 )
 def test_greedy_identical_under_scheduling_regimes(
-    llm: LLM, model_path: str, engine_args: dict[str, Any]
+    llm: LLM, model_path: str, engine_args: dict[str, Any], method: str,
+    spec_configs: dict[str, dict[str, Any]],
 ) -> None:
-    spec = LLM(model_path, speculative_config=NGRAM_ANY_BATCH, **engine_args)
+    spec = LLM(model_path, speculative_config=spec_configs[method], **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=64)
     assert token_ids(spec, PROMPTS, params) == token_ids(llm, PROMPTS, params)
     if "num_gpu_blocks_override" in engine_args:
@@ -188,20 +206,93 @@ def test_sampled_tokens_after_drafts_keep_the_target_distribution(llm: LLM, spec
     assert_idle(spec_llm)
 
 
-def test_grammar_requests_are_not_drafted_for_and_keep_their_output(llm: LLM, spec_llm: LLM) -> None:
-    """Structured outputs skip drafting (the matcher is not rolled back over rejected drafts); the other
-    requests of the same batch still draft."""
+def test_structured_outputs_verify_drafts_through_the_grammar(llm: LLM, spec_llm: LLM) -> None:
+    """Requests with a grammar are drafted for; drafts are checked against the matcher, each verified
+    position masked, and the matcher advanced by accepted tokens only: the same constrained output."""
     from pagedserve.server.sampling_params import StructuredOutputsParams
 
-    pattern = r"(ab){6}c"  # repetitive text an n-gram would draft for
-    grammar = SamplingParams(temperature=0.0, max_tokens=20,
-                             structured_outputs=StructuredOutputsParams(regex=pattern))
-    drafted_before = spec_counts(spec_llm)[0]
-    (got,) = spec_llm.generate([PROMPTS[1]], grammar)
-    assert spec_counts(spec_llm)[0] == drafted_before
+    pattern = r"(ab){6}c"  # repetitive text an n-gram drafts for
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["name", "tags"]}
+    regex = SamplingParams(temperature=0.0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(regex=pattern))
+    json_params = SamplingParams(temperature=0.0, max_tokens=48,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    drafted_before, accepted_before = spec_counts(spec_llm)
+    (got,) = spec_llm.generate([PROMPTS[1]], regex)
     assert got.outputs[0].text == "ab" * 6 + "c"
-    plain = SamplingParams(temperature=0.0, max_tokens=20)
-    mixed = [grammar, plain]
-    assert token_ids(spec_llm, PROMPTS[1:3], mixed) == token_ids(llm, PROMPTS[1:3], mixed)
-    assert spec_counts(spec_llm)[0] > drafted_before
+    prompts = [PROMPTS[1], PROMPTS[3], "Describe a cat as JSON:", PROMPTS[2]]
+    mixed = [regex, json_params, json_params, SamplingParams(temperature=0.0, max_tokens=20)]
+    assert token_ids(spec_llm, prompts, mixed) == token_ids(llm, prompts, mixed)
+    drafted, accepted = spec_counts(spec_llm)
+    assert drafted > drafted_before and accepted > accepted_before
     assert_idle(spec_llm)
+
+
+def test_grammar_drafts_are_cut_after_the_first_refused_one(llm: LLM) -> None:
+    """The matcher keeps the admitted drafts and the first refused one, gives each position its own mask,
+    and ends where it began."""
+    import torch
+    from pagedserve.server.sampling_params import StructuredOutputsParams
+    from pagedserve.server.spec_decode.grammar_drafts import check_drafts
+    from pagedserve.server.structured_output.bitmask import apply_grammar_bitmask
+    from pagedserve.server.structured_output.compiler import GrammarCompiler
+
+    tokenizer = llm.get_tokenizer()
+    ab = tokenizer.encode("ab")
+    assert len(ab) == 1, ab
+    vocab = llm.engine.vocab_size
+    compiler = GrammarCompiler(tokenizer, vocab, frozenset({tokenizer.eos_token_id}))
+    grammar = compiler.compile(StructuredOutputsParams(regex=r"(ab){3}c")).new_state()
+    zz = tokenizer.encode("zz")[0]
+    kept, mask = check_drafts(grammar, [ab[0], ab[0], zz, ab[0]])
+    assert kept == [ab[0], ab[0], zz]
+    assert mask.bits.shape[0] == 4
+    allowed = apply_grammar_bitmask(torch.zeros(4, vocab), mask) == 0
+    abc = tokenizer.encode("abc")[0]  # llguidance admits the one token that ends "ababab c" here
+    assert allowed[0, ab[0]] and allowed[1, ab[0]] and allowed[2, abc] and not allowed[2, zz]
+    assert torch.equal(mask.bits[3], mask.bits[2])  # after the refused draft: never sampled from
+    assert grammar.accept(ab[0]) and grammar.accept(ab[0]) and grammar.accept(abc)  # rolled back to the start
+
+
+# ---- the draft model's mechanics: its own cache over the target's blocks --------------------------------
+
+
+def test_self_draft_is_accepted_whole_and_its_cache_follows_the_target(llm: LLM, model_path: str) -> None:
+    """The target as its own draft: every greedy draft is accepted only if the drafter's K/V is right at
+    every position (filled by the mirrored prefill, kept over accepted drafts, valid on prefix-cache hits).
+    With the mirror switched off the drafter reads stale K/V and most drafts are rejected; the output
+    stays the target's either way."""
+    spec = LLM(model_path, speculative_config={"model": model_path, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = PROMPTS[1:3] + PROMPTS[4:5]
+    for attempt in ("cold", "prefix hit"):
+        before = spec_counts(spec)
+        for prompt in prompts:  # batch 1: under the default disable_by_batch_size
+            assert token_ids(spec, [prompt], params) == token_ids(llm, [prompt], params)
+        drafted, accepted = (a - b for a, b in zip(spec_counts(spec), before, strict=True))
+        assert drafted >= 3 * len(prompts) and accepted >= 0.95 * drafted, (attempt, drafted, accepted)
+    assert spec.engine.core.kv.prefix_hits > 0
+    runner = spec.engine.core.runner
+    assert runner.drafter is not None
+    runner.drafter.mirror = lambda *args: None  # type: ignore[method-assign]
+    spec.engine.core.kv.reset_prefix_cache()
+    before = spec_counts(spec)
+    broken = [PASSAGE, "Name three rivers in Europe."]
+    for prompt in broken:
+        assert token_ids(spec, [prompt], params) == token_ids(llm, [prompt], params)
+    drafted, accepted = (a - b for a, b in zip(spec_counts(spec), before, strict=True))
+    assert accepted < 0.5 * drafted, (drafted, accepted)
+    assert_idle(spec)
+
+
+def test_draft_model_cache_is_counted_in_the_kv_budget(model_path: str, draft_path: str) -> None:
+    """One block holds the target's and the drafter's K/V: the same byte budget gives fewer blocks."""
+    budget = 64 * 2**20
+    plain = LLM(model_path, kv_cache_memory_bytes=budget).engine.core
+    spec = LLM(model_path, kv_cache_memory_bytes=budget,
+               speculative_config={"model": draft_path, "num_speculative_tokens": 2}).engine.core
+    assert spec.block_bytes == plain.block_bytes * (30 + DRAFT_LAYERS) // 30
+    assert spec.num_blocks == budget // spec.block_bytes < plain.num_blocks
+    for layer in spec.runner.drafter.model.attention_layers():  # type: ignore[union-attr]
+        assert layer.k_cache.shape[0] == spec.num_blocks

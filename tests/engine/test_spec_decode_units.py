@@ -57,7 +57,9 @@ def test_ngram_config_from_vllm_dict_and_json() -> None:
          r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 2}, "must be >= 1"),
         ({"num_speculative_tokens": 2, "lookahead": 3}, r"unknown keys \['lookahead'\]"),
-        ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs 'model'"),
+        ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to method 'ngram' only"),
+        ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, "'draft_model' only"),
         ("{not json", "not valid JSON"),
         ([1, 2], "must be a dict"),
     ],
@@ -65,6 +67,30 @@ def test_ngram_config_from_vllm_dict_and_json() -> None:
 def test_bad_speculative_config_is_a_value_error_at_start_up(value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "not supported with tensor parallelism"),
+        ({"kv_offloading_size": 1.0}, "not supported with kv_offloading_size"),
+    ],
+)
+def test_draft_model_refusals_at_start_up(engine_args: dict, message: str) -> None:
+    draft = {"model": "some/draft", "num_speculative_tokens": 2}
+    assert EngineConfig(speculative_config=draft).speculative_config.method == "draft_model"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=draft, **engine_args)
+
+
+def test_draft_model_must_share_the_vocabulary() -> None:
+    from types import SimpleNamespace
+
+    from pagedserve.server.spec_decode.draft_model import check_draft_config
+
+    check_draft_config(SimpleNamespace(vocab_size=49152), SimpleNamespace(vocab_size=49152))
+    with pytest.raises(ValueError, match=r"vocab_size \(259\) differs from the target's \(49152\)"):
+        check_draft_config(SimpleNamespace(vocab_size=49152), SimpleNamespace(vocab_size=259))
 
 
 def test_server_flag_reaches_the_engine_config() -> None:
@@ -138,18 +164,29 @@ def test_rejection_sampler_is_reproducible_with_a_seeded_generator() -> None:
     assert _run_rejection(probs, None, 50, seed=11) == _run_rejection(probs, None, 50, seed=11)
 
 
-def test_acceptance_estimate_shortens_then_pauses_drafting() -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_acceptance_estimate_shortens_then_pauses_drafting(method: str) -> None:
+    """One mechanism for both methods: a draft model's drafts are counted here (PENDING, drawn by the
+    runner in the verifying step), an n-gram's looked up."""
     from pagedserve.server.engine.output import RequestMetrics
     from pagedserve.server.request import Request
     from pagedserve.server.sampling_params import SamplingParams
-    from pagedserve.server.spec_decode.proposer import COOLDOWN_STEPS, DraftProposer, record_acceptance
+    from pagedserve.server.spec_decode.proposer import (
+        COOLDOWN_STEPS,
+        PENDING,
+        DraftProposer,
+        record_acceptance,
+    )
 
-    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+    if method == "ngram":
+        cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+    else:
+        cfg = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
     proposer = DraftProposer(cfg, max_model_len=1000)
     request = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(), max_tokens=100,
                       eos_token_ids=frozenset(), metrics=RequestMetrics(arrival_time=0.0))
     proposer.propose([request], num_running=1)
-    assert request.spec_token_ids == [3, 1, 2, 3]
+    assert request.spec_token_ids == ([3, 1, 2, 3] if method == "ngram" else [PENDING] * 4)
     lengths = []
     while request.spec_cooldown == 0:  # nothing accepted, step after step
         record_acceptance(request, len(request.spec_token_ids), 0)

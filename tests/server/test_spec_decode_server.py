@@ -1,5 +1,6 @@
-"""A real `pagedserve serve --speculative-config ...` process: greedy completions (whole and streamed)
-identical to the engine without speculation, and vLLM's spec-decode counters in /metrics."""
+"""A real `pagedserve serve --speculative-config ...` process, by n-gram and by a draft model (the embedded
+model drafting for itself): greedy completions (whole and streamed) identical to the engine without
+speculation, and vLLM's spec-decode counters in /metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from pagedserve.testing.processes import ServerProcess, serve_process
 pytestmark = pytest.mark.slow
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECS = {
+    "ngram": NGRAM,
+    "draft": {"method": "draft_model", "model": str(default_model()), "num_speculative_tokens": 4},
+}
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
     "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons.\nCopy: apples, pears,",
@@ -25,10 +30,15 @@ PROMPTS = [
 MAX_TOKENS = 40
 
 
+@pytest.fixture(scope="module", params=list(SPECS))
+def spec(request: pytest.FixtureRequest) -> dict:
+    return SPECS[request.param]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, spec: dict) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve_process(log, "--max-model-len", "512", "--speculative-config", json.dumps(NGRAM)) as srv:
+    with serve_process(log, "--max-model-len", "512", "--speculative-config", json.dumps(spec)) as srv:
         srv.wait_ready(240)
         yield srv
 
@@ -64,9 +74,9 @@ def test_greedy_completions_match_the_engine_without_speculation(
         assert len(whole.choices[0].logprobs.tokens or []) == num_tokens
 
 
-def test_version_shows_the_speculative_config(server: ServerProcess) -> None:
-    spec = httpx.get(f"{server.url}/version", timeout=10).json()["speculative_config"]
-    assert {k: spec[k] for k in NGRAM} == NGRAM
+def test_version_shows_the_speculative_config(server: ServerProcess, spec: dict) -> None:
+    shown = httpx.get(f"{server.url}/version", timeout=10).json()["speculative_config"]
+    assert {k: shown[k] for k in spec} == spec
 
 
 def test_spec_decode_metrics(server: ServerProcess) -> None:
