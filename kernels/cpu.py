@@ -35,6 +35,7 @@ __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
     "fused_moe",
+    "gguf_matmul",
     "load_extension",
     "lora_expand",
     "lora_shrink",
@@ -48,12 +49,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp", "gguf_cpu.cpp")
 # Rows above which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM. Measured here
 # (benchmarks/quantized_linear.py, benchmarks/README.md): the C++ kernel is 1.6-2.9x oneDNN fp32 at one
 # row, on par at 32, 0.8-1.0x at 64, while dequantizing costs 1.3-15x a 64-row product; at prefill
 # sizes (thousands of rows) the dequantization is a few percent of the GEMM.
 W8A16_MAX_NATIVE_ROWS = 128
+# The same for gguf_matmul (kernels/csrc/gguf_cpu.cpp), measured in benchmarks/README.md "GGUF blocks".
+GGUF_MAX_NATIVE_ROWS = 128
 
 
 @functools.cache
@@ -62,11 +65,17 @@ def load_extension() -> Any | None:
     capability = torch.backends.cpu.get_cpu_capability()
     # Compiled for the CPU at hand; the name keys torch's build cache, so each flavour and each version
     # of the sources builds apart (two checkouts sharing the cache do not rebuild over each other).
-    simd_flags = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    # F16C (every AVX2 CPU has it) reads the GGUF blocks' float16 scales; AVX512-VNNI gives gguf_cpu.cpp
+    # one dpbusd per block instead of maddubs + madd.
+    simd_flags = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
+    vnni = capability == "AVX512" and _has_avx512_vnni()
+    if vnni:
+        simd_flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     sources = hashlib.blake2b(digest_size=6)
     for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
         sources.update(path.read_bytes())
-    name = f"pagedserve_cpu_kernels_{'avx2' if simd_flags else 'generic'}_{sources.hexdigest()}"
+    flavour = "avx512vnni" if vnni else "avx2" if simd_flags else "generic"
+    name = f"pagedserve_cpu_kernels_{flavour}_{sources.hexdigest()}"
     try:
         from torch.utils.cpp_extension import load
 
@@ -82,6 +91,12 @@ def load_extension() -> Any | None:
     except Exception as error:  # no compiler, no ninja, a read-only cache: the references still work
         logger.warning("CPU kernels unavailable, using the torch references: %s", error)
         return None
+
+
+def _has_avx512_vnni() -> bool:
+    """AVX512-VNNI, which torch's capability string ("AVX512") does not tell apart."""
+    check = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def _native(*tensors: torch.Tensor) -> Any | None:
@@ -197,6 +212,27 @@ def w8a16_matmul(
     else:
         out = ops.w8a16_matmul(x2, weight, scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gguf_matmul(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.gguf_matmul``: ``kernels/csrc/gguf_cpu.cpp`` for decode-sized batches;
+    above ``GGUF_MAX_NATIVE_ROWS`` rows the blocks are dequantized once and the fp32 GEMM runs."""
+    ops = _native(x, *(() if bias is None else (bias,)))
+    if ops is None or qs.device.type != "cpu":
+        return reference.gguf_matmul(x, qs, scales, mins, qtype, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > GGUF_MAX_NATIVE_ROWS:
+        out = F.linear(x2, reference.dequantize_gguf(qs, scales, mins, qtype), bias)
+    else:
+        out = ops.gguf_matmul(x2, qs, scales, mins, qtype, bias)
+    return out.view(*x.shape[:-1], qs.shape[0])
 
 
 @dataclass(frozen=True)
