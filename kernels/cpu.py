@@ -55,8 +55,6 @@ SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp", "g
 # row, on par at 32, 0.8-1.0x at 64, while dequantizing costs 1.3-15x a 64-row product; at prefill
 # sizes (thousands of rows) the dequantization is a few percent of the GEMM.
 W8A16_MAX_NATIVE_ROWS = 128
-# The same for gguf_matmul (kernels/csrc/gguf_cpu.cpp), measured in benchmarks/README.md "GGUF blocks".
-GGUF_MAX_NATIVE_ROWS = 128
 
 
 @functools.cache
@@ -222,17 +220,15 @@ def gguf_matmul(
     qtype: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.gguf_matmul``: ``kernels/csrc/gguf_cpu.cpp`` for decode-sized batches;
-    above ``GGUF_MAX_NATIVE_ROWS`` rows the blocks are dequantized once and the fp32 GEMM runs."""
+    """Same contract as ``reference.gguf_matmul``: ``kernels/csrc/gguf_cpu.cpp`` at every batch size. Unlike
+    ``w8a16_matmul`` there is no dequantize-then-GEMM path for prefill: measured here (3072x576 and
+    576x1536 Q4_1, 1-256 rows, a loaded machine) dequantizing the blocks costs more than the kernel's
+    whole product up to 256 rows, and the kernel's results stay the reference's at every size."""
     ops = _native(x, *(() if bias is None else (bias,)))
     if ops is None or qs.device.type != "cpu":
         return reference.gguf_matmul(x, qs, scales, mins, qtype, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > GGUF_MAX_NATIVE_ROWS:
-        out = F.linear(x2, reference.dequantize_gguf(qs, scales, mins, qtype), bias)
-    else:
-        out = ops.gguf_matmul(x2, qs, scales, mins, qtype, bias)
-    return out.view(*x.shape[:-1], qs.shape[0])
+    return ops.gguf_matmul(x2, qs, scales, mins, qtype, bias).view(*x.shape[:-1], qs.shape[0])
 
 
 @dataclass(frozen=True)

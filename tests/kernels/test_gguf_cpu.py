@@ -17,8 +17,8 @@ from pagedserve.kernels.testing import random_gguf_blocks as random_blocks
 # The embedded model's projections (qkv 576->960, gate_up 576->3072, down 1536->576), a channel tail (not a
 # multiple of the 4-channel tile), one block, and a K with an odd number of blocks.
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (37, 64), (5, 32), (66, 96)]
-# Rows: one (decode), 2-5, up to ~70 (a batch of decodes), past the native limit (dequantized GEMM).
-ROWS = [1, 2, 3, 5, 17, 70, cpu.GGUF_MAX_NATIVE_ROWS + 1]
+# Rows: one (decode), 2-5, up to ~70 (a batch of decodes), a prefill chunk.
+ROWS = [1, 2, 3, 5, 17, 70, 129]
 
 needs_kernels = pytest.mark.skipif(cpu.load_extension() is None, reason="no CPU kernels here")
 
@@ -36,9 +36,7 @@ def test_cpu_kernel_matches_reference(qtype, n, k, rows, bias):
     expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
     actual = cpu.gguf_matmul(x, qs, scales, mins, qtype, b)
     assert actual.shape == (rows, n) and actual.dtype == torch.float32
-    # past the native limit the dequantized fp32 GEMM runs: activation-quantization error apart
-    tolerance = 1e-5 if rows <= cpu.GGUF_MAX_NATIVE_ROWS else 2e-2
-    torch.testing.assert_close(actual, expected, atol=tolerance * expected.abs().max().item(), rtol=0)
+    torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
 @needs_kernels

@@ -14,16 +14,21 @@ from __future__ import annotations
 from types import ModuleType
 
 from pagedserve.server.layers.quantization.base import LinearMethod
+from pagedserve.server.layers.quantization.gguf import GGUFLinearMethod
 from pagedserve.server.layers.quantization.int8 import Int8LinearMethod
 from torch import nn
 
-QUANTIZATION_METHODS = ("int8",)
+# "gguf": the checkpoint's own GGUF blocks (a .gguf model, or the embedded one); server/loader/gguf.py reads
+# them in place of the converted folder's float tensors.
+QUANTIZATION_METHODS = ("int8", "gguf")
 
 
 def get_linear_method(name: str, kernels: ModuleType) -> LinearMethod:
     """The method for mode ``name``, running the backend's kernels; ``ValueError`` for an unknown one."""
     if name == "int8":
         return Int8LinearMethod(kernels.w8a16_matmul)
+    if name == "gguf":
+        return GGUFLinearMethod(kernels.gguf_matmul)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got {name!r}")
 
 
