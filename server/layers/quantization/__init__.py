@@ -6,7 +6,8 @@ layers then quantize each checkpoint tensor as it arrives. The LM head is quanti
 vLLM leaves it in the model dtype, but on a CPU the small models' head is a large share of the bytes a
 decode step reads (the embedded model's tied head: 113 of 219 MB a token with int8 projections), and
 the perplexity test (tests/models/test_quantization.py) holds with it quantized. A tied embedding is
-quantized because it is the head; an untied one is only looked up, and stays.
+quantized because it is the head; an untied one is only looked up, and stays. "gguf" quantizes nothing:
+the loader hands its layers the GGUF file's blocks (server/loader/gguf.py).
 """
 
 from __future__ import annotations
