@@ -27,6 +27,7 @@ namespace {
 constexpr int64_t BLOCK = 32;
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;  // ggml's type ids
 constexpr int64_t CHANNELS = 4;  // output channels per tile: independent accumulator chains, shared x loads
+constexpr int64_t SCALE_CHUNK = 64;  // blocks whose scales are computed ahead at a time
 
 inline float half_to_float(const at::Half h) {
 #ifdef PAGEDSERVE_AVX2
@@ -82,11 +83,11 @@ inline __m256i block_dot(const uint8_t* w, __m256i xq) {
     // maddubs needs one unsigned side: |w| times x with w's sign moved onto it.
     return dot_u8s8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
   } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    // values 0..15 are the low nibbles, 16..31 the high ones (GGUF's order)
-    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-    return dot_u8s8(wq, xq);
+    // values 0..15 are the low nibbles, 16..31 the high ones (GGUF's order): the 16 bytes in both lanes,
+    // the upper lane shifted down a nibble, then both masked.
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i both = _mm256_blend_epi32(bytes, _mm256_srli_epi16(bytes, 4), 0xF0);
+    return dot_u8s8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), xq);
   }
 }
 #endif
@@ -118,12 +119,26 @@ inline void dot_tile(const uint8_t* qs, const at::Half* d, const at::Half* m, in
 #ifdef PAGEDSERVE_AVX2
   __m256 acc[C];
   for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * BLOCK));
+  // The blocks' d_w * d_x, eight at a time ahead of the dot products (one broadcast load per block there
+  // instead of a scalar float16 conversion and multiply), for a chunk of SCALE_CHUNK blocks.
+  alignas(32) float scale[C][SCALE_CHUNK];
+  for (int64_t b0 = 0; b0 < nb; b0 += SCALE_CHUNK) {
+    const int64_t chunk = std::min(SCALE_CHUNK, nb - b0);
     for (int64_t c = 0; c < C; ++c) {
-      const __m256 sums = _mm256_cvtepi32_ps(block_dot<QTYPE>(qs + c * row_bytes + b * qbytes, x));
-      const __m256 scale = _mm256_set1_ps(half_to_float(d[c * nb + b]) * xd[b]);
-      acc[c] = _mm256_fmadd_ps(scale, sums, acc[c]);
+      int64_t b = 0;
+      for (; b + 8 <= chunk; b += 8) {
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + c * nb + b0 + b)));
+        _mm256_store_ps(scale[c] + b, _mm256_mul_ps(dw, _mm256_loadu_ps(xd + b0 + b)));
+      }
+      for (; b < chunk; ++b) scale[c][b] = half_to_float(d[c * nb + b0 + b]) * xd[b0 + b];
+    }
+    for (int64_t i = 0; i < chunk; ++i) {
+      const int64_t b = b0 + i;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * BLOCK));
+      for (int64_t c = 0; c < C; ++c) {
+        const __m256 sums = _mm256_cvtepi32_ps(block_dot<QTYPE>(qs + c * row_bytes + b * qbytes, x));
+        acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[c] + i), sums, acc[c]);
+      }
     }
   }
   for (int64_t c = 0; c < C; ++c) dots[c] = hsum(acc[c]);
