@@ -98,7 +98,7 @@ def checkpoint_blocks(path: str | Path, hf_config: Any, tp_size: int) -> dict[st
     if source is None:
         raise ValueError(
             f"quantization='gguf' needs a .gguf model (or the embedded default model); {str(path)!r} was not "
-            "converted from a GGUF file"
+            "converted from a GGUF file by this version (an older conversion: delete the folder to redo it)"
         )
     if tp_size > 1:
         raise ValueError("quantization='gguf' runs on one rank (its blocks are not cut per rank)")
