@@ -105,3 +105,35 @@ def test_dequantize_is_the_gguf_packages(name):
     raw = torch.cat(parts, dim=-1).reshape(6, -1).numpy()
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).astype(np.float32)
     torch.testing.assert_close(reference.dequantize_gguf(qs, scales, mins, qtype), torch.from_numpy(expected))
+
+
+AVX2_FLAVOUR = """
+import torch
+from pagedserve.kernels import cpu, reference
+from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
+cpu._has_avx512_vnni = lambda: False  # the flavour a CI machine without AVX512-VNNI builds
+ops = cpu.load_extension()
+worst = 0.0
+for qtype in GGUF_TYPES.values():
+    for m, n, k in [(1, 960, 576), (3, 37, 64), (70, 66, 1536)]:
+        gen = torch.Generator().manual_seed(m + n + k + qtype)
+        qs, scales, mins = random_gguf_blocks(n, k, qtype, gen)
+        x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+        expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
+        actual = ops.gguf_matmul(x, qs, scales, mins, qtype, b)
+        worst = max(worst, ((actual - expected).abs().max() / expected.abs().max()).item())
+print(worst)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu._has_avx512_vnni(), reason="this machine builds the AVX2 flavour already")
+def test_avx2_flavour_matches_reference_where_vnni_is_built():
+    """On a VNNI machine the tests above run dpbusd; build the maddubs flavour too (a second build, about
+    a minute) so that the path an AVX2-only machine runs is checked here as well."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", AVX2_FLAVOUR], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-5
