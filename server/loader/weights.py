@@ -169,7 +169,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.0
     for module in model.modules():
         if isinstance(module, Linear) and not module.weight.is_floating_point():
             generator = torch.Generator(device=module.device).manual_seed(seed)
-            fp_weight = torch.empty(module.weight.shape, device=module.device)
+            # the layer's shape, not its weight's: a gguf layer's is a placeholder until a tensor arrives
+            fp_weight = torch.empty(module.out_features, module.in_features, device=module.device)
             module.load("weight", fp_weight.normal_(0.0, scale, generator=generator))
     for param in model.parameters():
         if param.dim() >= 2 and param.is_floating_point():

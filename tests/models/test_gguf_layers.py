@@ -80,3 +80,17 @@ def test_hf_names() -> None:
     assert hf_name("token_embd.weight", tied=False) is None  # untied: only looked up, stays float
     assert hf_name("output.weight", tied=False) == "lm_head.weight"
     assert hf_name("blk.0.attn_norm.weight", tied=True) is None
+
+
+def test_dummy_weights_reach_a_gguf_layer_as_floats(default_model_path: str) -> None:
+    """``load_format="dummy"`` has no file to take blocks from: the gguf layers hold the N(0, 0.02)
+    matrices as floats (the layer's shape, not its empty placeholder's)."""
+    from pagedserve.server.backend import select_backend
+    from pagedserve.server.loader import load_model
+
+    backend = select_backend(torch.device("cpu"), torch.float32)
+    model, _ = load_model(default_model_path, "float32", "cpu", backend=backend, load_format="dummy",
+                          quantization="gguf")
+    down = model.model.layers[0].mlp.down_proj
+    assert down.gguf_type == FLOAT and tuple(down.weight.shape) == (576, 1536)
+    assert 0.015 < float(down.weight.std()) < 0.025
