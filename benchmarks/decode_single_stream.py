@@ -1,19 +1,19 @@
-"""Single-stream decode speed, side by side in one run: pagedserve fp32, pagedserve int8, HF Transformers
+"""Single-stream decode speed, side by side in one run: pagedserve fp32, int8 and gguf, HF Transformers
 and llama.cpp on the same GGUF.
 
 Each side decodes ``--tokens`` tokens (greedy, end-of-sequence ignored) after the same short prompt,
 with the same number of threads, after one untimed warm-up generation; the time of the best of
 ``--repeats`` generations counts, as tok/s = tokens / time (the prompt's prefill is a few ms of it).
 
-- pagedserve: ``LLM(default model, quantization=None | "int8")`` (the fp32 folder converted from the
-  GGUF by server/loader/default_model.py).
+- pagedserve: ``LLM(default model, quantization=None | "int8" | "gguf")`` (the fp32 folder converted
+  from the GGUF by server/loader/default_model.py; gguf reads the GGUF's own Q4_1 / Q8_0 blocks).
 - HF Transformers: ``model.generate`` on the same fp32 folder, ``min_new_tokens = max_new_tokens``.
 - llama.cpp: llama-cpp-python (a benchmark-only peer, never a dependency) on the embedded model's own
   GGUF (Q4_1). In this interpreter when ``llama_cpp`` imports, else through ``--llama-python``, the
   interpreter of a separate venv that has it; skipped with a message when neither works.
 
 ``--profile`` instead prints where a decode step's time goes (torch.profiler over 32 decode steps of
-pagedserve fp32 and int8, ops grouped by name and input shape).
+pagedserve fp32, int8 and gguf, ops grouped by name and input shape).
 
     PYTHONSAFEPATH=1 python -m pagedserve.benchmarks.decode_single_stream [--threads 2] \
         [--llama-python /tmp/llama-venv/bin/python]
@@ -115,23 +115,25 @@ def llama_cpp_side(args: argparse.Namespace) -> dict | str:
 
 
 def profile(args: argparse.Namespace) -> None:
-    """Top ops of 32 single-stream decode steps, fp32 and int8."""
+    """Top ops of 32 single-stream decode steps, fp32, int8 and gguf."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from pagedserve import LLM, SamplingParams
 
-    for quantization in (None, "int8"):
+    for quantization in (None, "int8", "gguf"):
         llm = LLM(quantization=quantization, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
         llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         engine = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         engine.add_request("profiled", PROMPT, params)
         engine.step()  # the prefill, not profiled
+        started = time.perf_counter()
         with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(32):
                 engine.step()
-        print(f"== pagedserve {quantization or 'fp32'}: 32 decode steps ==")
+        print(f"== pagedserve {quantization or 'fp32'}: 32 decode steps, "
+              f"{(time.perf_counter() - started) / 32 * 1e3:.2f} ms a step under the profiler ==")
         table = prof.key_averages(group_by_input_shape=True)
         print(table.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows,
                           max_name_column_width=40, max_shapes_column_width=60))
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
-    parser.add_argument("--skip", default="", help="comma-separated sides to skip: fp32,int8,hf,llama.cpp")
+    parser.add_argument("--skip", default="", help="comma-separated sides: fp32,int8,gguf,hf,llama.cpp")
     parser.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
     parser.add_argument("--profile-rows", type=int, default=25)
     args = parser.parse_args(argv)
@@ -158,10 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     sides = {
         "pagedserve fp32": lambda: pagedserve_side(None, args),
         "pagedserve int8": lambda: pagedserve_side("int8", args),
+        "pagedserve gguf": lambda: pagedserve_side("gguf", args),
         "HF Transformers fp32": lambda: hf_side(args),
         "llama.cpp Q4_1": lambda: llama_cpp_side(args),
     }
-    names = {"pagedserve fp32": "fp32", "pagedserve int8": "int8", "HF Transformers fp32": "hf",
+    names = {"pagedserve fp32": "fp32", "pagedserve int8": "int8", "pagedserve gguf": "gguf",
+             "HF Transformers fp32": "hf",
              "llama.cpp Q4_1": "llama.cpp"}
     results: dict[str, float] = {}
     print(f"single-stream decode, {args.tokens} tokens, {args.threads} threads, best of {args.repeats}; "

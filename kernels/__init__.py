@@ -19,6 +19,7 @@ KERNELS = (
     "silu_and_mul",
     "fused_moe",
     "w8a16_matmul",
+    "gguf_matmul",
     "lora_shrink",
     "lora_expand",
 )
@@ -26,6 +27,7 @@ KERNELS = (
 try:
     from .apply_rotary import apply_rotary
     from .fused_moe import fused_moe
+    from .gguf_matmul import gguf_matmul
     from .lora import lora_expand, lora_shrink
     from .paged_attention_decode import paged_attention_decode
     from .paged_attention_prefill import paged_attention_prefill
@@ -51,6 +53,7 @@ __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
     "fused_moe",
+    "gguf_matmul",
     "lora_expand",
     "lora_shrink",
     "paged_attention_decode",

@@ -35,6 +35,7 @@ __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
     "fused_moe",
+    "gguf_matmul",
     "load_extension",
     "lora_expand",
     "lora_shrink",
@@ -48,7 +49,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp", "gguf_cpu.cpp")
 # Rows above which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM. Measured here
 # (benchmarks/quantized_linear.py, benchmarks/README.md): the C++ kernel is 1.6-2.9x oneDNN fp32 at one
 # row, on par at 32, 0.8-1.0x at 64, while dequantizing costs 1.3-15x a 64-row product; at prefill
@@ -62,11 +63,17 @@ def load_extension() -> Any | None:
     capability = torch.backends.cpu.get_cpu_capability()
     # Compiled for the CPU at hand; the name keys torch's build cache, so each flavour and each version
     # of the sources builds apart (two checkouts sharing the cache do not rebuild over each other).
-    simd_flags = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    # F16C (every AVX2 CPU has it) reads the GGUF blocks' float16 scales; AVX512-VNNI gives gguf_cpu.cpp
+    # one dpbusd per block instead of maddubs + madd.
+    simd_flags = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
+    vnni = capability == "AVX512" and _has_avx512_vnni()
+    if vnni:
+        simd_flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     sources = hashlib.blake2b(digest_size=6)
     for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
         sources.update(path.read_bytes())
-    name = f"pagedserve_cpu_kernels_{'avx2' if simd_flags else 'generic'}_{sources.hexdigest()}"
+    flavour = "avx512vnni" if vnni else "avx2" if simd_flags else "generic"
+    name = f"pagedserve_cpu_kernels_{flavour}_{sources.hexdigest()}"
     try:
         from torch.utils.cpp_extension import load
 
@@ -82,6 +89,12 @@ def load_extension() -> Any | None:
     except Exception as error:  # no compiler, no ninja, a read-only cache: the references still work
         logger.warning("CPU kernels unavailable, using the torch references: %s", error)
         return None
+
+
+def _has_avx512_vnni() -> bool:
+    """AVX512-VNNI, which torch's capability string ("AVX512") does not tell apart."""
+    check = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def _native(*tensors: torch.Tensor) -> Any | None:
@@ -197,6 +210,25 @@ def w8a16_matmul(
     else:
         out = ops.w8a16_matmul(x2, weight, scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gguf_matmul(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.gguf_matmul``: ``kernels/csrc/gguf_cpu.cpp`` at every batch size. Unlike
+    ``w8a16_matmul`` there is no dequantize-then-GEMM path for prefill: measured here (3072x576 and
+    576x1536 Q4_1, 1-256 rows, a loaded machine) dequantizing the blocks costs more than the kernel's
+    whole product up to 256 rows, and the kernel's results stay the reference's at every size."""
+    ops = _native(x, *(() if bias is None else (bias,)))
+    if ops is None or qs.device.type != "cpu":
+        return reference.gguf_matmul(x, qs, scales, mins, qtype, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    return ops.gguf_matmul(x2, qs, scales, mins, qtype, bias).view(*x.shape[:-1], qs.shape[0])
 
 
 @dataclass(frozen=True)

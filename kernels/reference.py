@@ -338,6 +338,96 @@ def w8a16_matmul(
     return out if bias is None else out + bias.to(x.dtype)
 
 
+# ---- GGUF blocks: Q8_0 / Q4_0 / Q4_1 weights, int8 x int8 dot products ---------------------------------
+#
+# A weight row of K values is K / 32 blocks. ``qs`` uint8 ``[N, K / 32 * QBYTES]``: per block 32 int8 values
+# (Q8_0, stored as their bytes) or 16 bytes of nibbles (Q4_0 / Q4_1: the low nibbles are the block's values
+# 0..15, the high nibbles 16..31, as in the GGUF file); ``scales`` float16 ``[N, K / 32]`` (the file's d);
+# ``mins`` float16 ``[N, K / 32]`` for Q4_1 (the file's m), else None. Values: Q8_0 ``d * q``; Q4_0
+# ``d * (q - 8)``; Q4_1 ``d * q + m``. The activation row is quantized once to the same blocks of 32
+# (``quantize_activation_blocks``), so each block's product is an exact integer sum; Q4_0 is Q4_1 with
+# ``m = -8 d``. kernels/csrc/gguf_cpu.cpp computes exactly this, accumulating in a different order.
+
+GGUF_BLOCK = 32
+GGUF_Q8_0, GGUF_Q4_0, GGUF_Q4_1 = 8, 2, 3  # ggml's type ids (gguf.GGMLQuantizationType)
+GGUF_QBYTES = {GGUF_Q8_0: 32, GGUF_Q4_0: 16, GGUF_Q4_1: 16}  # bytes of quantized values per block
+
+
+def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float ``[M, K]`` (K a multiple of 32) -> (int8 ``[M, K/32, 32]``, float32 scale ``[M, K/32]``, int32
+    block sums ``[M, K/32]``): ``d = max|x| / 127`` per block, ``q = round(x * (1 / d))`` (half to even),
+    0 for an all-zero block."""
+    blocks = x.to(torch.float32).reshape(x.shape[0], -1, GGUF_BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).to(torch.int8)
+    return q, d, q.to(torch.int32).sum(dim=-1, dtype=torch.int32)
+
+
+def gguf_block_values(qs: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The integer values ``[N, K/32, 32]`` (int32) of packed blocks: Q8_0 -128..127, Q4 0..15."""
+    if qtype not in GGUF_QBYTES:
+        raise ValueError(f"unsupported GGUF block type {qtype}")
+    blocks = qs.reshape(qs.shape[0], -1, GGUF_QBYTES[qtype])
+    if qtype == GGUF_Q8_0:
+        return blocks.view(torch.int8).to(torch.int32)
+    nibbles = blocks.to(torch.int32)
+    return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+
+
+def gguf_block_mins(scales: torch.Tensor, mins: torch.Tensor | None, qtype: int) -> torch.Tensor | None:
+    """The per-block offset ``m`` in float32 (Q4_0: ``-8 d``), None for Q8_0."""
+    if qtype == GGUF_Q8_0:
+        return None
+    if qtype == GGUF_Q4_0:
+        return -8 * scales.to(torch.float32)
+    if mins is None:
+        raise ValueError("Q4_1 blocks need their mins")
+    return mins.to(torch.float32)
+
+
+def dequantize_gguf(
+    qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, qtype: int
+) -> torch.Tensor:
+    """The float32 matrix ``[N, K]`` the blocks stand for (for prefill-sized GEMMs and embedding rows)."""
+    values = gguf_block_values(qs, qtype).to(torch.float32) * scales.to(torch.float32)[..., None]
+    m = gguf_block_mins(scales, mins, qtype)
+    if m is not None:
+        values = values + m[..., None]
+    return values.reshape(qs.shape[0], -1)
+
+
+def gguf_matmul(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for GGUF-block weights ``W`` (layout above), ``x`` ``[..., K]`` float, K a
+    multiple of 32 -> ``[..., N]`` float32. Per block ``b``: ``d_w d_x sum(q_w q_x) + m_w (d_x sum(q_x))``
+    (the second term only for Q4_0 / Q4_1), summed over the blocks in float32."""
+    k = x.shape[-1]
+    if k % GGUF_BLOCK:
+        raise ValueError(f"GGUF blocks need K a multiple of {GGUF_BLOCK}, got {k}")
+    x2 = x.reshape(-1, k)
+    xq, dx, sx = quantize_activation_blocks(x2)
+    wq = gguf_block_values(qs, qtype).to(torch.float32)  # products sum to < 2^24: exact in float32
+    dw = scales.to(torch.float32)
+    mw = gguf_block_mins(scales, mins, qtype)
+    out = torch.zeros(x2.shape[0], qs.shape[0], dtype=torch.float32)
+    xqf = xq.to(torch.float32)
+    for b in range(k // GGUF_BLOCK):
+        sums = xqf[:, b] @ wq[:, b].T  # [M, N] exact integers
+        out += (dx[:, b, None] * dw[None, :, b]) * sums
+        if mw is not None:
+            out += mw[None, :, b] * (dx[:, b] * sx[:, b].to(torch.float32))[:, None]
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.view(*x.shape[:-1], qs.shape[0])
+
+
 # ---- LoRA: many adapters in one batch (Punica / S-LoRA's shrink and expand) ---------------------------
 #
 # A layer's resident adapters sit in slots ``0 .. S-1`` of two stacked tensors; ``token_slots[t]`` is the

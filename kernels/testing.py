@@ -1,5 +1,5 @@
 """Random scenarios shared by the kernel tests (CPU interpreter and GPU) and benchmarks: paged KV caches,
-mixture-of-experts routing and batched LoRA adapters."""
+mixture-of-experts routing, batched LoRA adapters and GGUF weight blocks."""
 
 from __future__ import annotations
 
@@ -200,3 +200,20 @@ def make_lora_case(
         y=rand(len(token_slots), out_features),
         token_slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
     )
+
+
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}  # kernels/reference.py GGUF_Q8_0 / GGUF_Q4_0 / GGUF_Q4_1
+
+
+def random_gguf_blocks(
+    n: int, k: int, qtype: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qs, scales, mins) in kernels/reference.py's GGUF layout for an ``[n, k]`` matrix: random bytes,
+    scales and mins of a trained model's size."""
+    from .reference import GGUF_BLOCK, GGUF_Q4_1, GGUF_QBYTES
+
+    nb = k // GGUF_BLOCK
+    qs = torch.randint(0, 256, (n, nb * GGUF_QBYTES[qtype]), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, nb, generator=gen) * 0.01).half()
+    mins = (torch.randn(n, nb, generator=gen) * 0.05).half() if qtype == GGUF_Q4_1 else None
+    return qs, scales, mins

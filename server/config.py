@@ -66,8 +66,8 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     # vLLM's dict (or its JSON text), parsed into server/spec_decode/config.py SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
-    # Weight quantization applied at load (server/layers/quantization/): None (the checkpoint's dtype)
-    # or "int8" (weight-only, per output channel).
+    # Weight quantization (server/layers/quantization/): None (the checkpoint's dtype), "int8" (weight-only,
+    # per output channel, quantized at load) or "gguf" (a .gguf model's own Q8_0/Q4_0/Q4_1 blocks).
     quantization: str | None = None
     # Many LoRA adapters on the base model (server/lora/): max_loras device slots (distinct adapters per
     # step), adapters up to max_lora_rank, a CPU cache of max_cpu_loras (None: max_loras) read adapters,

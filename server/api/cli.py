@@ -203,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--quantization", "-q", default=None,
-        help="quantize the weights at load: int8 (weight-only, per output channel); default none",
+        help="weight format: int8 (weight-only, per output channel, quantized at load) or gguf (a .gguf "
+        "model's own Q8_0/Q4_0/Q4_1 blocks, the embedded model's included); default none",
     )  # fmt: skip
     engine.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

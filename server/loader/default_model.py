@@ -71,7 +71,8 @@ def ensure_converted(gguf_path: Path, target: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             convert_gguf(gguf_path, tmp)
-            (tmp / MARKER).write_text(json.dumps({"format": FORMAT_VERSION, "source": gguf_path.name}))
+            marker = {"format": FORMAT_VERSION, "source": gguf_path.name, "path": str(gguf_path.resolve())}
+            (tmp / MARKER).write_text(json.dumps(marker))
             if target.exists():  # stale: an older format, or left by hand without its marker
                 trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
                 target.rename(trash / "old")
@@ -141,6 +142,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     os.chmod(out_dir, 0o755)
     for path in out_dir.iterdir():
         os.chmod(path, 0o644)
+
+
+def source_gguf(folder: str | Path) -> Path | None:
+    """The GGUF file a converted folder came from (``--quantization gguf`` reads its blocks), or None for
+    a folder not converted here. The embedded model's folder is its bundled file even when converted by an
+    older version that did not record the path."""
+    folder = Path(folder)
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    path = marker.get("path") if isinstance(marker, dict) else None
+    if path and Path(path).is_file():
+        return Path(path)
+    if folder.resolve() == (cache_root() / "models" / DEFAULT_MODEL_NAME).resolve():
+        return _bundled_gguf()
+    return None
 
 
 def _bundled_gguf() -> Path:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,11 +79,30 @@ def load_model(
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif load_format == "auto":
+        # --quantization gguf: the projections' blocks from the GGUF file, the rest from the folder.
+        blocks = checkpoint_blocks(path, hf_config, tp.size) if quantization == "gguf" else {}
         # Under tensor parallelism each rank reads only its piece of each split tensor.
-        model.load_weights(iterate_weights(path, model.checkpoint_piece if tp.size > 1 else None))
+        weights = iterate_weights(path, model.checkpoint_piece if tp.size > 1 else None, skip=blocks.keys())
+        model.load_weights(itertools.chain(blocks.items(), weights))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval(), hf_config
+
+
+def checkpoint_blocks(path: str | Path, hf_config: Any, tp_size: int) -> dict[str, torch.Tensor]:
+    """The GGUF blocks of the file the folder ``path`` was converted from (server/loader/gguf.py)."""
+    from pagedserve.server.loader.default_model import source_gguf
+    from pagedserve.server.loader.gguf import gguf_blocks
+
+    source = source_gguf(path)
+    if source is None:
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model (or the embedded default model); {str(path)!r} was not "
+            "converted from a GGUF file by this version (an older conversion: delete the folder to redo it)"
+        )
+    if tp_size > 1:
+        raise ValueError("quantization='gguf' runs on one rank (its blocks are not cut per rank)")
+    return gguf_blocks(source, hf_config)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -100,18 +120,21 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def iterate_weights(
-    path: str | Path, piece_of: Callable[[str], tuple[int, int, int] | None] | None = None
+    path: str | Path,
+    piece_of: Callable[[str], tuple[int, int, int] | None] | None = None,
+    skip: Container[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, cpu tensor)`` for every tensor of the checkpoint, with a progress bar. ``piece_of(name)``:
-    (dim, start, size) to read of that tensor, None for all of it (safetensors only: a ``.bin`` is read
-    whole, and the layer cuts it)."""
+    """``(name, cpu tensor)`` for every tensor of the checkpoint but those named in ``skip``, with a progress
+    bar. ``piece_of(name)``: (dim, start, size) to read of that tensor, None for all of it (safetensors
+    only: a ``.bin`` is read whole, and the layer cuts it)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
     files = weight_files(path)
     if files[0].suffix != ".safetensors":
         for file in tqdm(files, desc="Loading weights", unit="file"):
-            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from ((name, tensor) for name, tensor in tensors.items() if name not in skip)
         return
     total = 0
     for file in files:
@@ -121,6 +144,9 @@ def iterate_weights(
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name in skip:
+                        bar.update()
+                        continue
                     piece = piece_of(name) if piece_of is not None else None
                     yield name, handle.get_tensor(name) if piece is None else _read_piece(handle, name, piece)
                     bar.update()
@@ -143,7 +169,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.0
     for module in model.modules():
         if isinstance(module, Linear) and not module.weight.is_floating_point():
             generator = torch.Generator(device=module.device).manual_seed(seed)
-            fp_weight = torch.empty(module.weight.shape, device=module.device)
+            # the layer's shape, not its weight's: a gguf layer's is a placeholder until a tensor arrives
+            fp_weight = torch.empty(module.out_features, module.in_features, device=module.device)
             module.load("weight", fp_weight.normal_(0.0, scale, generator=generator))
     for param in model.parameters():
         if param.dim() >= 2 and param.is_floating_point():

@@ -1,5 +1,6 @@
-"""`pagedserve serve --quantization int8` (and `-q`): the server loads the embedded model in int8, says so
-on /version, and answers a completion; an unknown mode stops it with the known modes named."""
+"""`pagedserve serve --quantization int8|gguf` (and `-q`): the server loads the embedded model in that mode
+(gguf: the GGUF's own blocks), says so on /version, and answers a completion; an unknown mode stops it
+with the known modes named."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pagedserve.testing.processes import pagedserve_argv, serve_process
 pytestmark = pytest.mark.slow
 
 
-def test_server_serves_int8(tmp_path) -> None:
-    with serve_process(tmp_path / "server.log", "-q", "int8", "--max-model-len", "512") as server:
+@pytest.mark.parametrize("mode", ["int8", "gguf"])
+def test_server_serves_quantized(tmp_path, mode: str) -> None:
+    with serve_process(tmp_path / "server.log", "-q", mode, "--max-model-len", "512") as server:
         server.wait_ready(240)
-        assert httpx.get(f"{server.url}/version").json()["quantization"] == "int8"
+        assert httpx.get(f"{server.url}/version").json()["quantization"] == mode
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8,
                 "temperature": 0}
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)

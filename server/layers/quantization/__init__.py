@@ -6,7 +6,8 @@ layers then quantize each checkpoint tensor as it arrives. The LM head is quanti
 vLLM leaves it in the model dtype, but on a CPU the small models' head is a large share of the bytes a
 decode step reads (the embedded model's tied head: 113 of 219 MB a token with int8 projections), and
 the perplexity test (tests/models/test_quantization.py) holds with it quantized. A tied embedding is
-quantized because it is the head; an untied one is only looked up, and stays.
+quantized because it is the head; an untied one is only looked up, and stays. "gguf" quantizes nothing:
+the loader hands its layers the GGUF file's blocks (server/loader/gguf.py).
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ from __future__ import annotations
 from types import ModuleType
 
 from pagedserve.server.layers.quantization.base import LinearMethod
+from pagedserve.server.layers.quantization.gguf import GGUFLinearMethod
 from pagedserve.server.layers.quantization.int8 import Int8LinearMethod
 from torch import nn
 
-QUANTIZATION_METHODS = ("int8",)
+# "gguf": the checkpoint's own GGUF blocks (a .gguf model, or the embedded one); server/loader/gguf.py reads
+# them in place of the converted folder's float tensors.
+QUANTIZATION_METHODS = ("int8", "gguf")
 
 
 def get_linear_method(name: str, kernels: ModuleType) -> LinearMethod:
     """The method for mode ``name``, running the backend's kernels; ``ValueError`` for an unknown one."""
     if name == "int8":
         return Int8LinearMethod(kernels.w8a16_matmul)
+    if name == "gguf":
+        return GGUFLinearMethod(kernels.gguf_matmul)
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got {name!r}")
 
 
