@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 NAMESPACE = "llm"  # where the ModelDeployment lives, labelled PodSecurity `restricted`
 OPERATOR_NAMESPACE = chart.NAMESPACE
 ENGINE_READY_S = 420.0
+OPERATOR_WRITES_S = 90.0
 
 
 def _missing() -> str | None:
@@ -139,18 +140,40 @@ def release(cluster: Cluster) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(cluster: Cluster, release: str) -> str:
-    """A ModelDeployment of the embedded model in a `restricted` namespace, served: the router pod's URL."""
+def app_namespace(cluster: Cluster) -> str:
+    """The ModelDeployments' namespace, PodSecurity `restricted`, with the API key's Secret."""
     cluster.kubectl("create", "namespace", NAMESPACE)
     cluster.kubectl("label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
     (((secret_name, key), value),) = pods.SECRETS.items()
     cluster.kubectl(
         "create", "secret", "generic", secret_name, "-n", NAMESPACE, f"--from-literal={key}={value}"
     )
+    return NAMESPACE
+
+
+@pytest.fixture(scope="module")
+def served(cluster: Cluster, release: str, app_namespace: str) -> str:
+    """A ModelDeployment of the embedded model in a `restricted` namespace, served: the router pod's URL."""
     cluster.apply(modeldeployment())
+    # the operator's first writes come in seconds; a missing RBAC verb shows here, with its 403s
+    engine = ("deployment", f"{pods.NAME}-engine", "-n", NAMESPACE)
+    try:
+        wait_until(
+            lambda: cluster.kubectl("get", *engine, check=False).returncode == 0,
+            OPERATOR_WRITES_S,
+            "the engine Deployment",
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error}; the operator's log:\n{operator_log_tail(cluster)}") from None
     wait_until(lambda: len(cluster.ready_pods(NAMESPACE, ENGINE)) == 1, ENGINE_READY_S, "an engine pod ready")
     wait_until(lambda: len(cluster.ready_pods(NAMESPACE, ROUTER)) >= 1, 120, "a router pod ready")
     return router_url(cluster)
+
+
+def operator_log_tail(cluster: Cluster) -> str:
+    with cluster.node._lock:
+        runs = [r for r in cluster.node.pods.values() if r.namespace == OPERATOR_NAMESPACE]
+    return "\n".join(r.process.log_tail(2000) for r in runs)
 
 
 def router_url(cluster: Cluster) -> str:
@@ -473,7 +496,9 @@ def probe_modeldeployment(cluster: Cluster, name: str) -> None:
     )
 
 
-def test_two_operator_replicas_elect_one_and_hand_over(cluster: Cluster, release: str) -> None:
+def test_two_operator_replicas_elect_one_and_hand_over(
+    cluster: Cluster, release: str, app_namespace: str
+) -> None:
     chart.helm(
         "upgrade",
         release,
