@@ -58,12 +58,7 @@ void quantize_rows(const float* x, int64_t blocks, int8_t* q, float* d, float* x
 }
 
 #ifdef PAGEDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedserve::hsum;
 
 // Eight int32 lane sums of u (unsigned bytes) times s (signed bytes), four products each.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {

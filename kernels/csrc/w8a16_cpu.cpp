@@ -25,12 +25,7 @@ constexpr int64_t CHANNELS = 4;  // output channels per tile: independent FMA ch
 constexpr int64_t ROWS = 3;      // activation rows per tile, sharing each widened weight vector
 
 #ifdef PAGEDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedserve::hsum;
 
 inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
