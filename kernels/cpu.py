@@ -35,6 +35,7 @@ __all__ = [
     "apply_rotary",
     "fused_add_rms_norm",
     "fused_moe",
+    "gguf_dense_weight",
     "gguf_matmul",
     "load_extension",
     "lora_expand",
@@ -194,6 +195,12 @@ def fused_moe(
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
+# Rows from which gguf_matmul multiplies by the layer's bfloat16 copy of its blocks (gguf_dense_weight), where
+# it has one. Measured here (AVX512-BF16, the embedded model's shapes): below 16 rows the int8 kernel reads
+# 4.5 bits a weight against 16 and wins on bytes; from 16 rows the product is compute-bound and oneDNN's
+# bfloat16 GEMM runs at 2-3x the int8 kernel (benchmarks/README.md, "GGUF blocks at batch sizes").
+GGUF_DENSE_ROWS = 16
+
 
 def w8a16_matmul(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
@@ -212,6 +219,25 @@ def w8a16_matmul(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def gguf_dense_weight(
+    qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, qtype: int
+) -> torch.Tensor | None:
+    """The blocks as a bfloat16 matrix ``[N, K]`` (``reference.dequantize_gguf`` rounded to bfloat16, bit
+    for bit) for ``gguf_matmul``'s batched products, or None where this CPU has no native bfloat16 dot
+    product (AVX512-BF16 or AMX: elsewhere oneDNN emulates it, no faster than float32) or the kernels are
+    missing. It costs 2 bytes a weight beside the blocks' 0.56 (Q4_1), still half of float32's 4."""
+    ops = load_extension()
+    if ops is None or not native_bf16_gemm() or qs.device.type != "cpu":
+        return None
+    return ops.gguf_dequantize_bf16(qs, scales, mins, qtype)
+
+
+def native_bf16_gemm() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX)."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return native and torch.backends.mkldnn.is_available()
+
+
 def gguf_matmul(
     x: torch.Tensor,
     qs: torch.Tensor,
@@ -219,16 +245,23 @@ def gguf_matmul(
     mins: torch.Tensor | None,
     qtype: int,
     bias: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.gguf_matmul``: ``kernels/csrc/gguf_cpu.cpp`` at every batch size. Unlike
-    ``w8a16_matmul`` there is no dequantize-then-GEMM path for prefill: measured here (3072x576 and
-    576x1536 Q4_1, 1-256 rows, a loaded machine) dequantizing the blocks costs more than the kernel's
-    whole product up to 256 rows, and the kernel's results stay the reference's at every size."""
+    """Same contract as ``reference.gguf_matmul`` below ``GGUF_DENSE_ROWS`` rows, or with no ``dense``:
+    ``kernels/csrc/gguf_cpu.cpp``. From that many rows, given the layer's ``dense`` copy
+    (``gguf_dense_weight``), ``x`` rounded to bfloat16 times ``dense`` through oneDNN, accumulated in
+    float32 and rounded to bfloat16 (oneDNN's output takes its inputs' dtype): the dequantized product
+    with bfloat16 activations, finer than the kernel's int8 blocks, as a bfloat16 model computes it."""
     ops = _native(x, *(() if bias is None else (bias,)))
     if ops is None or qs.device.type != "cpu":
         return reference.gguf_matmul(x, qs, scales, mins, qtype, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    return ops.gguf_matmul(x2, qs, scales, mins, qtype, bias).view(*x.shape[:-1], qs.shape[0])
+    if dense is not None and x2.shape[0] >= GGUF_DENSE_ROWS:
+        out = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), dense, None, "none", [], "").float()
+        out = out if bias is None else out.add_(bias)
+    else:
+        out = ops.gguf_matmul(x2, qs, scales, mins, qtype, bias)
+    return out.view(*x.shape[:-1], qs.shape[0])
 
 
 @dataclass(frozen=True)

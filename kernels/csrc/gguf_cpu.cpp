@@ -9,7 +9,11 @@
 // float32. Q4_1's offset m contributes m_w * d_x * sum(q_x), from the row's block sums (Q4_0: m = -8 d).
 //
 // Layout and math: kernels/reference.py ``gguf_matmul`` (the spec); kernels/cpu.py wraps this as
-// ``gguf_matmul`` and dequantizes for prefill-sized batches. Registered as torch.ops.pagedserve.gguf_matmul.
+// ``gguf_matmul``. Registered as torch.ops.pagedserve.gguf_matmul.
+//
+// Batched rows are compute-bound, where this kernel's int8 products ran at a third of oneDNN's bfloat16
+// GEMM on an AVX512-BF16 CPU: gguf_dequantize_bf16 (below) widens a layer's blocks once, at load, into
+// the bfloat16 matrix kernels/cpu.py multiplies those rows by.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -18,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -193,6 +198,102 @@ void matmul(const float* x, const uint8_t* qs, const at::Half* d, const at::Half
   });
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays a NaN).
+inline uint16_t to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (std::isnan(value)) return 0x7FC0;
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Sixteen int32 values q as bfloat16 bits of d * q + m (two float32 roundings, then to nearest even).
+inline __m256i dequantize16(__m512i q, __m512 d, __m512 m, bool offset) {
+  __m512 v = _mm512_cvtepi32_ps(q);
+  v = _mm512_mul_ps(v, d);
+  if (offset) v = _mm512_add_ps(v, m);
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(bits);
+}
+#endif
+
+// One block's 32 values d * q + m (m = 0 for Q8_0, -8 d for Q4_0) as bfloat16 bits. The product and the
+// sum are two float32 roundings, as in reference.dequantize_gguf; fp-contract=off keeps the compiler from
+// fusing them into one FMA (a different rounding, so other bfloat16 values now and then).
+template <int64_t QTYPE>
+__attribute__((optimize("fp-contract=off"))) inline void dequantize_block(const uint8_t* w, float d, float m,
+                                                                          uint16_t* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  __m512i low, high;
+  if constexpr (QTYPE == Q8_0) {
+    low = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    high = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+  } else {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
+    high = _mm512_srli_epi32(bytes, 4);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), dequantize16(low, dv, mv, QTYPE != Q8_0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), dequantize16(high, dv, mv, QTYPE != Q8_0));
+#else
+  float values[BLOCK];
+  for (int64_t j = 0; j < BLOCK; ++j) {
+    int32_t q;
+    if constexpr (QTYPE == Q8_0) q = static_cast<int8_t>(w[j]);
+    else q = j < 16 ? (w[j] & 0x0F) : (w[j - 16] >> 4);
+    values[j] = static_cast<float>(q) * d;
+  }
+  if constexpr (QTYPE != Q8_0)
+    for (int64_t j = 0; j < BLOCK; ++j) values[j] = values[j] + m;
+  for (int64_t j = 0; j < BLOCK; ++j) out[j] = to_bf16(values[j]);
+#endif
+}
+
+template <int64_t QTYPE>
+void dequantize(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t n, int64_t k, uint16_t* out) {
+  constexpr int64_t qbytes = QTYPE == Q8_0 ? 32 : 16;
+  const int64_t nb = k / BLOCK;
+  at::parallel_for(0, n, std::max<int64_t>(1, 32768 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t i = row * nb + b;
+        const float scale = half_to_float(d[i]);
+        const float offset = QTYPE == Q4_1 ? half_to_float(m[i]) : QTYPE == Q4_0 ? -8.f * scale : 0.f;
+        dequantize_block<QTYPE>(qs + i * qbytes, scale, offset, out + i * BLOCK);
+      }
+  });
+}
+
+// The matrix [N, K] the blocks stand for, in bfloat16: kernels/cpu.py multiplies prefill-sized batches
+// by it with oneDNN's bfloat16 GEMM. Spec: reference.dequantize_gguf(...).to(torch.bfloat16).
+at::Tensor gguf_dequantize_bf16(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                int64_t qtype) {
+  TORCH_CHECK(qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1, "gguf_dequantize_bf16: block type must be Q8_0, Q4_0 or Q4_1");
+  const int64_t qbytes = qtype == Q8_0 ? 32 : 16;
+  TORCH_CHECK(qs.device().is_cpu() && qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) % qbytes == 0,
+              "gguf_dequantize_bf16: qs uint8 [N, K / 32 * block bytes]");
+  const int64_t n = qs.size(0), nb = qs.size(1) / qbytes, k = nb * BLOCK;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == n * nb, "gguf_dequantize_bf16: scales float16 [N, K / 32]");
+  at::Tensor m;
+  if (qtype == Q4_1) {
+    TORCH_CHECK(mins.has_value() && mins->defined() && mins->scalar_type() == at::kHalf && mins->numel() == n * nb,
+                "gguf_dequantize_bf16: Q4_1 needs mins float16 [N, K / 32]");
+    m = mins->contiguous();
+  }
+  const at::Tensor w = qs.contiguous(), d = scales.contiguous();
+  at::Tensor out = at::empty({n, k}, qs.options().dtype(at::kBFloat16));
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const at::Half* m_ptr = m.defined() ? m.data_ptr<at::Half>() : nullptr;
+  if (qtype == Q8_0) dequantize<Q8_0>(w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m_ptr, n, k, out_ptr);
+  else if (qtype == Q4_0) dequantize<Q4_0>(w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m_ptr, n, k, out_ptr);
+  else dequantize<Q4_1>(w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m_ptr, n, k, out_ptr);
+  return out;
+}
+
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t qtype, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1, "gguf_matmul: block type must be Q8_0, Q4_0 or Q4_1");
@@ -234,4 +335,6 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_matmul(Tensor x, Tensor qs, Tensor scales, Tensor? mins, int qtype, Tensor? bias=None) -> Tensor");
   m.impl("gguf_matmul", c10::DispatchKey::CPU, TORCH_FN(gguf_matmul));
+  m.def("gguf_dequantize_bf16(Tensor qs, Tensor scales, Tensor? mins, int qtype) -> Tensor");
+  m.impl("gguf_dequantize_bf16", c10::DispatchKey::CPU, TORCH_FN(gguf_dequantize_bf16));
 }

@@ -66,7 +66,7 @@ def load_model(
     ``torch.inference_mode()``.
     """
     from pagedserve.server.distributed.parallel_state import SINGLE, building, check_tensor_parallel
-    from pagedserve.server.layers.quantization import quantize_linears
+    from pagedserve.server.layers.quantization import process_weights_after_loading, quantize_linears
     from pagedserve.server.models.registry import build_model
 
     device = torch.device(device)
@@ -86,6 +86,7 @@ def load_model(
         model.load_weights(itertools.chain(blocks.items(), weights))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    process_weights_after_loading(model)
     return model.eval(), hf_config
 
 

@@ -107,6 +107,49 @@ def test_dequantize_is_the_gguf_packages(name):
     torch.testing.assert_close(reference.dequantize_gguf(qs, scales, mins, qtype), torch.from_numpy(expected))
 
 
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(3072, 576), (576, 1536), (37, 64)])
+@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
+def test_dense_copy_is_the_dequantized_blocks_in_bfloat16_bit_for_bit(qtype, n, k):
+    gen = torch.Generator().manual_seed(n + k + qtype)
+    qs, scales, mins = random_blocks(n, k, qtype, gen)
+    scales[0, 0] = float("nan")  # a corrupt block stays NaN, as torch's rounding keeps it
+    expected = reference.dequantize_gguf(qs, scales, mins, qtype).to(torch.bfloat16)
+    actual = cpu.load_extension().gguf_dequantize_bf16(qs, scales, mins, qtype)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (n, k)
+    assert bool(actual[0, :32].isnan().all())
+    assert torch.equal(actual.view(torch.int16)[:, 32:], expected.view(torch.int16)[:, 32:])
+    assert torch.equal(actual.view(torch.int16)[1:], expected.view(torch.int16)[1:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [cpu.GGUF_DENSE_ROWS - 1, cpu.GGUF_DENSE_ROWS, 129])
+@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
+def test_batched_rows_multiply_by_the_dense_copy(qtype, rows):
+    """From GGUF_DENSE_ROWS rows the product is x in bfloat16 times the dense copy, summed in float32 and
+    rounded to bfloat16 (within half a bfloat16 step, at most 2**-8 relative, of the float32 sum); below
+    it the int8 kernel's, dense copy or not."""
+    gen = torch.Generator().manual_seed(rows + qtype)
+    qs, scales, mins = random_blocks(96, 576, qtype, gen)
+    x, b = torch.randn(rows, 576, generator=gen), torch.randn(96, generator=gen)
+    dense = cpu.load_extension().gguf_dequantize_bf16(qs, scales, mins, qtype)
+    actual = cpu.gguf_matmul(x, qs, scales, mins, qtype, b, dense=dense)
+    if rows >= cpu.GGUF_DENSE_ROWS:
+        product = x.to(torch.bfloat16).float() @ dense.float().T
+        torch.testing.assert_close(actual - b, product, atol=1e-5 * product.abs().max().item(), rtol=2**-8)
+    else:
+        expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
+        torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+def test_no_dense_copy_without_a_native_bfloat16_dot_product(monkeypatch):
+    gen = torch.Generator().manual_seed(10)
+    qs, scales, mins = random_blocks(8, 64, reference.GGUF_Q4_1, gen)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cpu.gguf_dense_weight(qs, scales, mins, reference.GGUF_Q4_1) is None
+
+
 AVX2_FLAVOUR = """
 import torch
 from pagedserve.kernels import cpu, reference
@@ -122,6 +165,10 @@ for qtype in GGUF_TYPES.values():
         expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
         actual = ops.gguf_matmul(x, qs, scales, mins, qtype, b)
         worst = max(worst, ((actual - expected).abs().max() / expected.abs().max()).item())
+        dense = reference.dequantize_gguf(qs, scales, mins, qtype).to(torch.bfloat16)
+        widened = ops.gguf_dequantize_bf16(qs, scales, mins, qtype)
+        if not torch.equal(widened.view(torch.int16), dense.view(torch.int16)):
+            worst = float("inf")  # the scalar dequantization is not the reference's
 print(worst)
 """
 

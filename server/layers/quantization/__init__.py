@@ -29,7 +29,7 @@ def get_linear_method(name: str, kernels: ModuleType) -> LinearMethod:
     if name == "int8":
         return Int8LinearMethod(kernels.w8a16_matmul)
     if name == "gguf":
-        return GGUFLinearMethod(kernels.gguf_matmul)
+        return GGUFLinearMethod(kernels.gguf_matmul, getattr(kernels, "gguf_dense_weight", None))
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), got {name!r}")
 
 
@@ -47,4 +47,18 @@ def quantize_linears(model: nn.Module, name: str | None, kernels: ModuleType) ->
             module.set_method(method)
 
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "get_linear_method", "quantize_linears"]
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Every layer's method finishes its weights, once the checkpoint is loaded (``LinearMethod``)."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if isinstance(method, LinearMethod):
+            method.process_weights_after_loading(module)
+
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "LinearMethod",
+    "get_linear_method",
+    "process_weights_after_loading",
+    "quantize_linears",
+]

@@ -27,6 +27,10 @@ class LinearMethod(ABC):
         """Fill output rows ``offset:offset+size`` (all rows when ``size`` is None) from a checkpoint
         tensor ``[size, in_features]``."""
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
+        """Once every shard is loaded: derive what the matmul needs from the loaded weight (vLLM's hook of
+        the same name). Nothing by default."""
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` for ``x`` ``[..., in_features]``."""

@@ -9,7 +9,10 @@ reach it already dequantized to float (the loader logs each) and stay float, mul
 One layer holds one format: shards of a merged projection (q/k/v, gate/up) of different block types are
 refused with the names of the types, not mixed.
 
-The matmul is the backend's ``gguf_matmul`` (kernels/csrc/gguf_cpu.cpp on the CPU, Triton on CUDA).
+The matmul is the backend's ``gguf_matmul`` (kernels/csrc/gguf_cpu.cpp on the CPU, Triton on CUDA). Once
+loaded, a layer also gets the backend's bfloat16 copy of its blocks where the backend offers one
+(kernels/cpu.py ``gguf_dense_weight``: CPUs with a native bfloat16 dot product): a decode step's few rows
+read the blocks (4.5 bits a weight), batched rows are compute-bound and go through the copy instead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pagedserve.server.layers.quantization.base import LinearMethod
 from torch import nn
 
 GGUFMatmul = Callable[..., torch.Tensor]
+# The backend's bfloat16 copy of a layer's blocks for batched products (kernels/cpu.py gguf_dense_weight)
+DenseWeight = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor | None]
 FLOAT = 0  # layer.gguf_type of a layer whose checkpoint tensors arrived as floats
 BLOCK_BYTES = {34: GGUF_Q8_0, 18: GGUF_Q4_0, 20: GGUF_Q4_1}  # bytes per block of 32 -> ggml type id
 TYPE_NAMES = {GGUF_Q8_0: "Q8_0", GGUF_Q4_0: "Q4_0", GGUF_Q4_1: "Q4_1", FLOAT: "float"}
@@ -54,8 +59,9 @@ def _halves(pairs: torch.Tensor) -> torch.Tensor:
 
 
 class GGUFLinearMethod(LinearMethod):
-    def __init__(self, matmul: GGUFMatmul) -> None:
+    def __init__(self, matmul: GGUFMatmul, dense_weight: DenseWeight | None = None) -> None:
         self.matmul = matmul
+        self.dense_weight = dense_weight
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
@@ -64,7 +70,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_type = None
         layer.weight = nn.Parameter(torch.empty(out_features, 0, dtype=torch.uint8, device=device),
                                     requires_grad=False)
-        layer.weight_scales = layer.weight_mins = None
+        layer.weight_scales = layer.weight_mins = layer.weight_dense = None
         layer.gguf_shape = (out_features, in_features)
 
     def load_weight(
@@ -105,12 +111,19 @@ class GGUFLinearMethod(LinearMethod):
         if qtype == GGUF_Q4_1:
             layer.weight_mins = torch.empty(n, k // GGUF_BLOCK, dtype=torch.float16, device=device)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.dense_weight is not None and layer.gguf_type not in (None, FLOAT):
+            layer.weight_dense = self.dense_weight(layer.weight, layer.weight_scales, layer.weight_mins,
+                                                   layer.gguf_type)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gguf_type == FLOAT:
             from pagedserve.server.layers.linear import linear
 
             return linear(x, layer.weight.to(x.dtype), bias)
-        out = self.matmul(x, layer.weight, layer.weight_scales, layer.weight_mins, layer.gguf_type, bias)
+        dense = {} if layer.weight_dense is None else {"dense": layer.weight_dense}
+        out = self.matmul(x, layer.weight, layer.weight_scales, layer.weight_mins, layer.gguf_type, bias,
+                          **dense)
         return out.to(x.dtype)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
