@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import pytest
 
 from pagedserve.testing import pods, sandbox
 from pagedserve.testing.net import free_port
-from pagedserve.testing.processes import ServerProcess
+from pagedserve.testing.processes import ServerProcess, container_program
 
 pytestmark = pytest.mark.slow
 
@@ -59,16 +57,10 @@ def local_env(container: dict[str, Any], workdir: Path) -> dict[str, str]:
     return env
 
 
-def executable(command: list[str]) -> list[str]:
-    """`pagedserve` from this environment (the image has it on PATH)."""
-    local = Path(sys.executable).with_name(command[0])
-    return [str(local) if local.exists() else shutil.which(command[0]) or command[0], *command[1:]]
-
-
 def start(
     container: dict[str, Any], args: list[str], port: int, ready_path: str, workdir: Path
 ) -> ServerProcess:
-    argv = executable(container["command"]) + args
+    argv = [container_program(container["command"][0]), *container["command"][1:], *args]
     if sandbox.available():  # as in the pod: a read-only root, writes only to the volumes (in workdir)
         argv = sandbox.read_only_root(argv, [workdir])
     return ServerProcess(

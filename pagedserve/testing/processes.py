@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,13 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds (all threads) that process ``pid`` has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def container_program(name: str) -> str:
+    """A container command's program from this environment (the image has it on PATH): the one beside
+    this interpreter, else PATH's, else the name as it is."""
+    local = Path(sys.executable).with_name(name)
+    return str(local) if local.exists() else shutil.which(name) or name
 
 
 def pagedserve_argv(*args: str) -> list[str]:

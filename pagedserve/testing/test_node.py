@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from pagedserve.testing.controlplane import ControlPlane
-from pagedserve.testing.processes import CHILD_ENV_DEFAULTS, ManagedProcess
+from pagedserve.testing.processes import CHILD_ENV_DEFAULTS, ManagedProcess, container_program
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +206,7 @@ class TestNode:
             self._release_address(ip)
             return None
         command = container.get("command") or IMAGE_ENTRYPOINT
-        argv = [_executable(command[0]), *command[1:]]
+        argv = [container_program(command[0]), *command[1:]]
         argv += [a.replace("0.0.0.0", ip) for a in container.get("args", [])]
         process = ManagedProcess(
             argv=argv, log_path=folder / "container.log", env=env, cwd=folder, stop_timeout_s=20
@@ -402,7 +401,3 @@ def _unused_subnet() -> str:
     raise RuntimeError(f"no free /24 left in {POD_NETWORK_PREFIX}0.0/16")
 
 
-def _executable(name: str) -> str:
-    """A container command's program from this environment (the image has it on PATH)."""
-    local = Path(sys.executable).with_name(name)
-    return str(local) if local.exists() else shutil.which(name) or name
