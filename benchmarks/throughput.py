@@ -43,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine: requests per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine: tokens per step")
     parser.add_argument("--kv-cache-dtype", default="auto", help="engine: auto | fp8 (the KV cache's dtype)")
-    parser.add_argument("--quantization", default=None, help="engine: weight quantization (int8)")
+    parser.add_argument(
+        "--quantization", default=None,
+        help="engine: int8 | gguf (default: the model's own, gguf for the embedded model on one CPU rank)",
+    )
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up calls")
     parser.add_argument("--skip-engine", action="store_true", help="run only the HF side (with --compare hf)")
     parser.add_argument("--result-json", default=None, help="write the figures to this file")
@@ -101,7 +104,7 @@ def hf_token_accounting(workload: list[tuple[list[int], int]], batch_size: int) 
     }
 
 
-def run_engine(model_path: str, workload: list, args: argparse.Namespace, device: Any, dtype: Any) -> dict:
+def run_engine(workload: list, args: argparse.Namespace, device: Any, dtype: Any) -> dict:
     from pagedserve import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {"dtype": str(dtype).replace("torch.", ""), "device": device.type}
@@ -113,7 +116,9 @@ def run_engine(model_path: str, workload: list, args: argparse.Namespace, device
     if args.quantization:
         kwargs["quantization"] = args.quantization
     t = time.perf_counter()
-    llm = LLM(model=model_path, **kwargs)
+    # The model as the user named it (None: the embedded one), so its default mode is the server's; HF
+    # reads the converted folder.
+    llm = LLM(model=args.model, **kwargs)
     load_s = time.perf_counter() - t
     if args.warmup:
         llm.generate(
@@ -130,10 +135,11 @@ def run_engine(model_path: str, workload: list, args: argparse.Namespace, device
     if produced != requested:
         print(f"warning: engine produced {produced} output tokens, {requested} asked", file=sys.stderr)
     kv_cache_tokens = llm.engine.core.num_blocks * llm.engine.core.config.block_size
+    quantization = llm.engine.core.config.quantization
     del llm, outputs
     gc.collect()
     figures = _figures("pagedserve", workload, elapsed, produced, load_s=load_s)
-    return {**figures, "kv_cache_tokens": kv_cache_tokens}
+    return {**figures, "kv_cache_tokens": kv_cache_tokens, "quantization": quantization}
 
 
 def run_hf(model_path: str, workload: list, args: argparse.Namespace, device: Any, dtype: Any) -> dict:
@@ -248,8 +254,9 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     if not args.skip_engine:
-        result["pagedserve"] = run_engine(model_path, workload, args, device, dtype)
-        print(_line("pagedserve", result["pagedserve"]), flush=True)
+        result["pagedserve"] = run_engine(workload, args, device, dtype)
+        mode = result["pagedserve"]["quantization"]
+        print(_line("pagedserve", result["pagedserve"]), f"[quantization: {mode}]", flush=True)
     if args.compare == "hf":
         result["hf"] = run_hf(model_path, workload, args, device, dtype)
         h = result["hf"]
