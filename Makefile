@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: `make setup` without CUDA and the images `make images` builds here.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup tools serve test e2e lint format clean manifests images image-tools image-test
+.PHONY: setup tools serve test test-heavy e2e lint format clean manifests images image-tools image-test
 
 setup: $(VENV)/.installed
 
@@ -50,7 +50,13 @@ image-test: setup image-tools
 
 test: setup tools
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests -m "not heavy"
+
+# The tests marked heavy (pyproject.toml): the draft-model variants of speculative decoding, the Triton
+# kernels under the interpreter, a second CPU kernel build, tensor parallelism over three ranks and the
+# router fuzz; about five minutes kept out of `make test` so that stays near 15.
+test-heavy: setup tools
+	$(BIN)/pytest -q tests -m heavy
 
 # End to end on this machine (e2e/): a real control plane (e2e/test_control_plane.py, binaries from
 # KUBEBUILDER_ASSETS: docs/e2e.md), the operator's rendered pods as local processes, scale from zero

@@ -84,6 +84,7 @@ def tiny_tp2(tmp_path_factory: pytest.TempPathFactory, llama_kv2: Path) -> Itera
         yield server
 
 
+@pytest.mark.heavy
 def test_embedded_model_tp3_equals_tp1(tmp_path: Path) -> None:
     """3 ranks (3 query heads and 1 KV head each) answer as one engine does."""
     with serve_process(tmp_path / "tp3.log", "-tp", "3", *FLAGS) as three:

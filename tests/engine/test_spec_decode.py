@@ -19,7 +19,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 NGRAM_ANY_BATCH = {**NGRAM, "disable_by_batch_size": 512}
 # The draft model keeps this many of the target's 30 layers: it agrees with the target often, not always.
 DRAFT_LAYERS = 20
-METHODS = ["ngram", "draft"]
+# The draft method reruns the n-gram checks with a drafter model: `make test-heavy` (minutes of CPU).
+METHODS = ["ngram", pytest.param("draft", marks=pytest.mark.heavy)]
 
 PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion "
            "about heating costs and the price of books, the members agreed to spend less on furniture.")
@@ -258,6 +259,7 @@ def test_grammar_drafts_are_cut_after_the_first_refused_one(llm: LLM) -> None:
 # ---- the draft model's mechanics: its own cache over the target's blocks --------------------------------
 
 
+@pytest.mark.heavy
 def test_self_draft_is_accepted_whole_and_its_cache_follows_the_target(llm: LLM, model_path: str) -> None:
     """The target as its own draft: every greedy draft is accepted only if the drafter's K/V is right at
     every position (filled by the mirrored prefill, kept over accepted drafts, valid on prefix-cache hits).
@@ -286,6 +288,7 @@ def test_self_draft_is_accepted_whole_and_its_cache_follows_the_target(llm: LLM,
     assert_idle(spec)
 
 
+@pytest.mark.heavy
 def test_draft_model_cache_is_counted_in_the_kv_budget(model_path: str, draft_path: str) -> None:
     """One block holds the target's and the drafter's K/V: the same byte budget gives fewer blocks."""
     budget = 64 * 2**20

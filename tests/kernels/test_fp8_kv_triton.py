@@ -33,6 +33,7 @@ interpreted = pytest.mark.skipif(not interpreter_active(), reason="runs in the i
 
 
 @pytest.mark.skipif(interpreter_active(), reason="this process interprets Triton: the cases ran directly")
+@pytest.mark.heavy
 def test_fp8_kv_triton_under_the_interpreter():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

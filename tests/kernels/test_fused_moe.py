@@ -57,6 +57,7 @@ def test_no_tokens():
     assert cpu.fused_moe(*args).shape == reference.fused_moe(*args).shape == (0, 32)
 
 
+@pytest.mark.heavy
 def test_triton_kernel_under_the_interpreter():
     """test_fused_moe_triton.py in a child pytest with TRITON_INTERPRET=1 (the mode is fixed per process
     when triton is first imported; see tests/kernels/conftest.py)."""

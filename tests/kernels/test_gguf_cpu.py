@@ -173,7 +173,7 @@ print(worst)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.skipif(not cpu._has_avx512_vnni(), reason="this machine builds the AVX2 flavour already")
 def test_avx2_flavour_matches_reference_where_vnni_is_built():
     """On a VNNI machine the tests above run dpbusd; build the maddubs flavour too (a second build, about

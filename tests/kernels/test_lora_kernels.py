@@ -232,6 +232,7 @@ def test_triton_no_tokens():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton: the cases ran directly")
+@pytest.mark.heavy
 def test_triton_cases_under_the_interpreter():
     here = Path(__file__)
     select = "triton and not under_the_interpreter"

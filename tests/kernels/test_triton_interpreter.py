@@ -16,6 +16,7 @@ ALL_CASES = (CASES, W8A16_CASES, GGUF_CASES)
 
 
 @pytest.mark.skipif(interpreter_active(), reason="this process interprets Triton: the cases ran directly")
+@pytest.mark.heavy
 def test_triton_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(

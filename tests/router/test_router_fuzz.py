@@ -382,6 +382,7 @@ def fleet(tmp_path_factory):
                 proc.stop()
 
 
+@pytest.mark.heavy
 def test_fuzz_through_the_router_leaves_both_engines_healthy_and_idle(fleet):
     router, engines = fleet
     cases = fuzz_cases(seed=14, count=NUM_REQUESTS)

@@ -30,7 +30,11 @@ PROMPTS = [
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+# The draft model's server runs under `make test-heavy`.
+DRAFT_HEAVY = [pytest.param(name, marks=[pytest.mark.heavy] if name == "draft" else []) for name in SPECS]
+
+
+@pytest.fixture(scope="module", params=DRAFT_HEAVY)
 def spec(request: pytest.FixtureRequest) -> dict:
     return SPECS[request.param]
 
