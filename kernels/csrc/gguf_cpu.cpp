@@ -268,60 +268,67 @@ void dequantize(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t
   });
 }
 
+// A layer's blocks, checked against the layout (kernels/reference.py) with `op`'s name in the messages, and
+// made contiguous; k < 0 takes K from qs's width.
+struct Blocks {
+  at::Tensor qs, scales, mins;  // mins: Q4_1 only
+  int64_t n, nb;
+};
+
+Blocks checked_blocks(const char* op, const at::Tensor& qs, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t qtype, int64_t k) {
+  TORCH_CHECK(qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1, op, ": block type must be Q8_0, Q4_0 or Q4_1");
+  const int64_t qbytes = qtype == Q8_0 ? 32 : 16;
+  TORCH_CHECK(qs.device().is_cpu() && qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) % qbytes == 0 &&
+                  (k < 0 || qs.size(1) == k / BLOCK * qbytes),
+              op, ": qs uint8 [N, K / 32 * block bytes]");
+  const int64_t n = qs.size(0), nb = qs.size(1) / qbytes;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == n * nb, op, ": scales float16 [N, K / 32]");
+  Blocks blocks{qs.contiguous(), scales.contiguous(), at::Tensor(), n, nb};
+  if (qtype == Q4_1) {
+    TORCH_CHECK(mins.has_value() && mins->defined() && mins->scalar_type() == at::kHalf && mins->numel() == n * nb,
+                op, ": Q4_1 needs mins float16 [N, K / 32]");
+    blocks.mins = mins->contiguous();
+  }
+  return blocks;
+}
+
 // The matrix [N, K] the blocks stand for, in bfloat16: kernels/cpu.py multiplies prefill-sized batches
 // by it with oneDNN's bfloat16 GEMM. Spec: reference.dequantize_gguf(...).to(torch.bfloat16).
 at::Tensor gguf_dequantize_bf16(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                                 int64_t qtype) {
-  TORCH_CHECK(qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1, "gguf_dequantize_bf16: block type must be Q8_0, Q4_0 or Q4_1");
-  const int64_t qbytes = qtype == Q8_0 ? 32 : 16;
-  TORCH_CHECK(qs.device().is_cpu() && qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) % qbytes == 0,
-              "gguf_dequantize_bf16: qs uint8 [N, K / 32 * block bytes]");
-  const int64_t n = qs.size(0), nb = qs.size(1) / qbytes, k = nb * BLOCK;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == n * nb, "gguf_dequantize_bf16: scales float16 [N, K / 32]");
-  at::Tensor m;
-  if (qtype == Q4_1) {
-    TORCH_CHECK(mins.has_value() && mins->defined() && mins->scalar_type() == at::kHalf && mins->numel() == n * nb,
-                "gguf_dequantize_bf16: Q4_1 needs mins float16 [N, K / 32]");
-    m = mins->contiguous();
-  }
-  const at::Tensor w = qs.contiguous(), d = scales.contiguous();
-  at::Tensor out = at::empty({n, k}, qs.options().dtype(at::kBFloat16));
+  const Blocks b = checked_blocks("gguf_dequantize_bf16", qs, scales, mins, qtype, -1);
+  const int64_t k = b.nb * BLOCK;
+  at::Tensor out = at::empty({b.n, k}, qs.options().dtype(at::kBFloat16));
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const at::Half* m_ptr = m.defined() ? m.data_ptr<at::Half>() : nullptr;
-  if (qtype == Q8_0) dequantize<Q8_0>(w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m_ptr, n, k, out_ptr);
-  else if (qtype == Q4_0) dequantize<Q4_0>(w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m_ptr, n, k, out_ptr);
-  else dequantize<Q4_1>(w.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m_ptr, n, k, out_ptr);
+  const auto* w = b.qs.data_ptr<uint8_t>();
+  const auto* d = b.scales.data_ptr<at::Half>();
+  const at::Half* m = b.mins.defined() ? b.mins.data_ptr<at::Half>() : nullptr;
+  if (qtype == Q8_0) dequantize<Q8_0>(w, d, m, b.n, k, out_ptr);
+  else if (qtype == Q4_0) dequantize<Q4_0>(w, d, m, b.n, k, out_ptr);
+  else dequantize<Q4_1>(w, d, m, b.n, k, out_ptr);
   return out;
 }
 
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t qtype, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_1, "gguf_matmul: block type must be Q8_0, Q4_0 or Q4_1");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_matmul: x float32 [M, K]");
-  const int64_t k = x.size(1), n = qs.size(0), nb = k / BLOCK;
+  const int64_t k = x.size(1);
   TORCH_CHECK(k % BLOCK == 0, "gguf_matmul: K must be a multiple of 32");
-  const int64_t qbytes = qtype == Q8_0 ? 32 : 16;
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) == nb * qbytes,
-              "gguf_matmul: qs uint8 [N, K / 32 * block bytes]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == n * nb, "gguf_matmul: scales float16 [N, K / 32]");
-  at::Tensor m;
-  if (qtype == Q4_1) {
-    TORCH_CHECK(mins.has_value() && mins->defined() && mins->scalar_type() == at::kHalf && mins->numel() == n * nb,
-                "gguf_matmul: Q4_1 needs mins float16 [N, K / 32]");
-    m = mins->contiguous();
-  }
+  const Blocks blocks = checked_blocks("gguf_matmul", qs, scales, mins, qtype, k);
+  const int64_t n = blocks.n;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n, "gguf_matmul: bias float32 [N]");
     b = bias->contiguous();
   }
-  const at::Tensor input = x.contiguous(), w = qs.contiguous(), d = scales.contiguous();
+  const at::Tensor input = x.contiguous();
   at::Tensor out = at::empty({input.size(0), n}, input.options());
-  const auto* d_ptr = d.data_ptr<at::Half>();
-  const at::Half* m_ptr = m.defined() ? m.data_ptr<at::Half>() : nullptr;
+  const auto* d_ptr = blocks.scales.data_ptr<at::Half>();
+  const at::Half* m_ptr = blocks.mins.defined() ? blocks.mins.data_ptr<at::Half>() : nullptr;
   const float* b_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* x_ptr = input.data_ptr<float>();
-  const uint8_t* w_ptr = w.data_ptr<uint8_t>();
+  const uint8_t* w_ptr = blocks.qs.data_ptr<uint8_t>();
   const int64_t rows = input.size(0);
   float* out_ptr = out.data_ptr<float>();
   if (qtype == Q8_0) matmul<Q8_0>(x_ptr, w_ptr, d_ptr, m_ptr, b_ptr, rows, n, k, out_ptr);
