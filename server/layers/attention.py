@@ -32,6 +32,17 @@ class AttentionMetadata:
         return self.prefill_context_lens.shape[0]
 
 
+def allocate_kv_caches(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """Give every layer its K and V cache ``[num_blocks, block_size, its KV heads, head_dim]``. Zeros, not
+    empty: the CPU decode reference multiplies padded positions by zero weights, and 0 * NaN from
+    uninitialised memory would poison the sum."""
+    for layer in layers:
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+
 class Attention(nn.Module):
     """Stores this layer's new K/V into its paged cache, then attends from the cache.
 

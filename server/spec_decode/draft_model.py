@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from pagedserve.server.core.scheduler import ScheduledRequest
-from pagedserve.server.layers.attention import AttentionMetadata
+from pagedserve.server.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedserve.server.worker.sampler import exponential_race
 from torch import nn
 
@@ -48,10 +48,7 @@ class DraftModel:
                  device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
-        for layer in model.attention_layers():
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        allocate_kv_caches(model.attention_layers(), num_blocks, block_size, dtype, device)
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """The target's step over the drafter's layers: fills its K/V in the same slots."""

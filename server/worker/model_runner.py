@@ -23,7 +23,7 @@ import torch
 from pagedserve.server.backend import Backend
 from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.scheduler import ScheduledRequest
-from pagedserve.server.layers.attention import AttentionMetadata
+from pagedserve.server.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedserve.server.lora.manager import LoRAManager
 from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.draft_model import DraftModel
@@ -105,13 +105,8 @@ class ModelRunner:
         self.ranks = ranks
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: the CPU decode reference multiplies padded positions by zero weights,
-        # and 0 * NaN from uninitialised memory would poison the sum.
-        for layer in model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.host_caches = self._host_caches(num_host_blocks, shape[1:], dtype)
+        allocate_kv_caches(model.attention_layers(), num_blocks, block_size, dtype, device)
+        self.host_caches = self._host_caches(num_host_blocks, (block_size, num_kv_heads, head_dim), dtype)
         self.drafter: DraftModel | None = None
         if draft_model is not None:
             self.drafter = DraftModel(draft_model, num_blocks, block_size, dtype, device)
