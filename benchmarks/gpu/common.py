@@ -26,6 +26,24 @@ def cuda_time(fn: Callable[[], Any], iters: int = 50, warmup: int = 5) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def graph_time(calls: list[Callable[[], Any]], replays: int = 10) -> float:
+    """Mean GPU seconds per call of ``calls``, run back to back in one CUDA graph, replayed.
+
+    Leaves out the host's cost of each launch (Python, Triton's launcher, torch's dispatch), which a
+    short kernel timed by ``cuda_time`` can hide behind: the engine's decode step replays graphs too.
+    Each call must be capturable: no host synchronization, no allocation that changes size."""
+    for call in calls:  # compiles Triton kernels outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    seconds = cuda_time(graph.replay, iters=replays, warmup=2)
+    del graph
+    return seconds / len(calls)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read and bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -140,23 +140,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="(d): requests decoding together")
     parser.add_argument("--steps", type=int, default=30, help="(d): profiled steps")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. int8 (the Triton w8a16 kernel)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    parser.add_argument("--skip-busy-share", action="store_true", help="(b) only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     copy_bw = copy_bandwidth()
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory_bytes=8 << 30, max_model_len=4096,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     load_seconds = time.perf_counter() - t
     # Warm-up: compiles the Triton kernels (and captures graphs, where the engine does so).
     llm.generate([prompt(llm.engine.vocab_size, 64, 99)] * 2,
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     common = {"device": device_info(), "model": args.model, "dtype": "bfloat16",
-              "enforce_eager": args.enforce_eager, "copy_bandwidth_gbps": copy_bw / 1e9,
+              "enforce_eager": args.enforce_eager, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype, "copy_bandwidth_gbps": copy_bw / 1e9,
               "load_seconds": load_seconds}
-    write_result("b_decode_step_roofline", {"benchmark": "engine decode step at batch 1 vs roofline",
+    # Results of a quantized or FP8-cache run are named apart from the plain run's.
+    mode = "".join(f"_{m}" for m in (args.quantization, None if args.kv_cache_dtype == "auto" else
+                                     f"kv-{args.kv_cache_dtype}") if m)
+    write_result(f"b_decode_step_roofline{mode}", {"benchmark": "engine decode step at batch 1 vs roofline",
                                             **common, **batch1(llm, copy_bw, args.new_tokens)}, args.out)
-    write_result("d_gpu_busy_share", {"benchmark": "GPU busy share during steady decode",
+    if args.skip_busy_share:
+        return
+    write_result(f"d_gpu_busy_share{mode}", {"benchmark": "GPU busy share during steady decode",
                                       **common, **busy_share(llm, args.batch, 5, args.steps)}, args.out)
 
 

@@ -11,6 +11,10 @@
 #   a             decode attention bandwidth vs device-to-device copy (batch 64, context 2048, Llama-3-8B heads)
 #   bd            (b) batch-1 decode step vs roofline and (d) GPU busy share at batch 64, Llama-3-8B shape
 #   c             offline throughput vs HF Transformers, 256 prompts, Llama-3.2-1B shape
+#   decode-tests  issue 18's GPU paths: the w8a16 and GGUF-block matmuls, the FP8 KV cache, speculative
+#                 decoding (n-gram and draft model) against the fp32 oracle
+#   quant         quantized linear layers vs bf16 cuBLAS at Llama-3-8B shapes; the batch-1 decode step of
+#                 the Llama-3-8B shape in bf16, int8 weights and an FP8 KV cache, each vs its roofline
 # Every call first installs the checkout (pip install --no-deps -e .): a fresh machine has everything
 # else (torch, triton, transformers, tokenizers, safetensors, pytest). Random-weight models are built
 # under $PAGEDSERVE_RANDOM_MODELS (default /tmp/pagedserve-models) and reused while the machine lives.
@@ -44,7 +48,7 @@ print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.
 PYEOF
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(kernel-tests engine-tests a bd c)
+[ ${#stages[@]} -gt 0 ] || stages=(kernel-tests engine-tests decode-tests a bd c quant)
 for stage in "${stages[@]}"; do
   log "stage $stage"
   case "$stage" in
@@ -58,6 +62,17 @@ for stage in "${stages[@]}"; do
     bd)
       run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
       run $PY -m pagedserve.benchmarks.gpu.engine_decode --model "$MODELS/llama3-8b" --out "$OUT" ;;
+    decode-tests)
+      run $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_w8a16_gpu.py tests/gpu/test_gguf_gpu.py \
+        tests/gpu/test_fp8_kv_gpu.py tests/gpu/test_spec_decode_gpu.py --junitxml "$OUT/decode_tests.xml" ;;
+    quant)
+      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --out "$OUT"
+      run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
+      for mode in "" "--quantization int8" "--kv-cache-dtype fp8"; do
+        # shellcheck disable=SC2086  # $mode is zero or two words
+        run $PY -m pagedserve.benchmarks.gpu.engine_decode --model "$MODELS/llama3-8b" --skip-busy-share \
+          $mode --out "$OUT"
+      done ;;
     c)
       run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3.2-1b --out "$MODELS/llama3.2-1b"
       run $PY -m pagedserve.cli bench throughput --model "$MODELS/llama3.2-1b" --num-prompts 256 \
