@@ -70,9 +70,15 @@ def load_extension() -> Any | None:
     vnni = capability == "AVX512" and _has_avx512_vnni()
     if vnni:
         simd_flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+    # -fopenmp: the kernels split their work with at::parallel_for, whose OpenMP pragmas compile to nothing
+    # without it (every kernel ran on one thread whatever torch.set_num_threads said). The runtime it links
+    # is the libgomp.so.1 that torch has already loaded: the same soname, so one thread pool and one
+    # thread count for torch's ops and ours.
+    cflags = ["-O3", "-fopenmp", *simd_flags]
     sources = hashlib.blake2b(digest_size=6)
     for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
         sources.update(path.read_bytes())
+    sources.update(" ".join(cflags).encode())  # a change of flags is a new build too
     flavour = "avx512vnni" if vnni else "avx2" if simd_flags else "generic"
     name = f"pagedserve_cpu_kernels_{flavour}_{sources.hexdigest()}"
     try:
@@ -82,7 +88,8 @@ def load_extension() -> Any | None:
         load(
             name,
             [str(CSRC / source) for source in SOURCES],
-            extra_cflags=["-O3", "-fopenmp-simd", *simd_flags],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)],
             is_python_module=False,
         )

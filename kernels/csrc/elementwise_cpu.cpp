@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -143,6 +144,14 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::T
   return {q_out, k_out};
 }
 
+// The threads at::parallel_for runs these kernels on: torch's thread count where this file was built with
+// OpenMP, 1 where it was not (the pragmas then compile to nothing). tests/kernels/test_cpu_kernels.py.
+int64_t parallel_workers() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
@@ -150,8 +159,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("apply_rotary(Tensor q, Tensor k, Tensor positions, Tensor cos_sin_cache) -> (Tensor, Tensor)");
+  m.def("parallel_workers() -> int");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(fused_add_rms_norm));
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.impl("apply_rotary", c10::DispatchKey::CPU, TORCH_FN(apply_rotary));
+  m.impl("parallel_workers", c10::DispatchKey::CatchAll, TORCH_FN(parallel_workers));
 }

@@ -78,6 +78,18 @@ def test_other_dtypes_use_the_reference(op):
     assert torch.equal(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
 
 
+def test_kernels_run_on_torchs_threads(op):
+    """The kernels split work with at::parallel_for, which needs the build's -fopenmp (kernels/cpu.py):
+    without it every kernel ran on one thread, whatever torch.set_num_threads said, and nothing failed."""
+    threads = torch.get_num_threads()
+    try:
+        for wanted in (2, 1):
+            torch.set_num_threads(wanted)
+            assert op.parallel_workers() == wanted
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-5) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert (actual - expected).abs().max().item() <= tolerance
