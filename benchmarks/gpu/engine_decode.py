@@ -160,8 +160,8 @@ def main() -> None:
               "kv_cache_dtype": args.kv_cache_dtype, "copy_bandwidth_gbps": copy_bw / 1e9,
               "load_seconds": load_seconds}
     # Results of a quantized or FP8-cache run are named apart from the plain run's.
-    mode = "".join(f"_{m}" for m in (args.quantization, None if args.kv_cache_dtype == "auto" else
-                                     f"kv-{args.kv_cache_dtype}") if m)
+    mode = (f"_{args.quantization}" if args.quantization else "") + (
+        "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}")
     write_result(f"b_decode_step_roofline{mode}", {"benchmark": "engine decode step at batch 1 vs roofline",
                                             **common, **batch1(llm, copy_bw, args.new_tokens)}, args.out)
     if args.skip_busy_share:

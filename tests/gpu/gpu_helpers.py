@@ -26,6 +26,8 @@ MODELS = {
     "smollm2-shape": ("smollm2-135m", {"initializer_range": 0.05}),
     "llama3-8b-shape-4l": ("llama3-8b", {"num_hidden_layers": 4, "initializer_range": 0.05}),
 }
+# (N, K) of the quantized matmul tests: SmolLM2-135M's qkv, gate_up, down; Llama-3-8B's qkv and down.
+PROJECTION_SHAPES = [(960, 576), (3072, 576), (576, 1536), (6144, 4096), (4096, 14336)]
 # How far below the fp32 oracle's best logit a generated token may be, in units of the logits' std.
 # Measured on CPU for the 30-layer model: HF bf16's greedy choices fall at most 0.16 std short (99th
 # percentile 0.14) and agree with fp32's argmax at 85% of positions; a wrong kernel falls 1 to 4 std short.

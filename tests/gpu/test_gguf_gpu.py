@@ -9,7 +9,7 @@ tf32 products (bf16/fp16 inputs) summed over K.
 
 import pytest
 import torch
-from gpu_helpers import GPU
+from gpu_helpers import GPU, PROJECTION_SHAPES
 from pagedserve.kernels import reference
 from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
 
@@ -18,13 +18,11 @@ pytestmark = GPU
 # Max abs error over the output's max magnitude.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in TOLERANCE]
-# (N, K): SmolLM2-135M's qkv, gate_up, down; Llama-3-8B's qkv and down.
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (6144, 4096), (4096, 14336)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize(("n", "k"), PROJECTION_SHAPES)
 @pytest.mark.parametrize("qtype", GGUF_TYPES.values(), ids=GGUF_TYPES.keys())
 def test_gguf_matmul_matches_dequantized_reference(qtype, n, k, rows, dtype):
     from pagedserve.kernels.gguf_matmul import gguf_matmul

@@ -50,7 +50,7 @@ def spec_greedy(model_path: str, ids: list[list[int]], spec: dict | None, dtype:
         free_gpu()
 
 
-def check_speculation(model_path: str, oracle, spec: dict, dtype: torch.dtype) -> None:
+def check_speculation(model_path: str, spec: dict, dtype: torch.dtype) -> None:
     from transformers import AutoConfig
 
     ids = repetitive_prompts(AutoConfig.from_pretrained(model_path).vocab_size)
@@ -59,7 +59,12 @@ def check_speculation(model_path: str, oracle, spec: dict, dtype: torch.dtype) -
     speculative, drafted, accepted = spec_greedy(model_path, ids, spec, name)
     print(f"{spec.get('method', 'draft')} {name}: drafted {drafted}, accepted {accepted}")
     assert accepted > 0, "no draft accepted: the verifying and accepting paths went untested"
-    same = assert_greedy(oracle, ids, {"plain": plain, "speculative": speculative}, dtype)
+    oracle = load_hf(model_path, torch.float32)
+    try:
+        same = assert_greedy(oracle, ids, {"plain": plain, "speculative": speculative}, dtype)
+    finally:
+        del oracle
+        free_gpu()
     print("share of sequences where speculative equals plain:", same)
     if dtype == torch.float32:
         assert same["speculative"] >= 0.75
@@ -73,12 +78,7 @@ def repeating_model() -> str:
 @DTYPES
 def test_ngram_speculation_follows_the_oracle(repeating_model, monkeypatch, dtype):
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
-    oracle = load_hf(repeating_model, torch.float32)
-    try:
-        check_speculation(repeating_model, oracle, NGRAM, dtype)
-    finally:
-        del oracle
-        free_gpu()
+    check_speculation(repeating_model, NGRAM, dtype)
 
 
 @DTYPES
@@ -88,10 +88,5 @@ def test_draft_model_speculation_follows_the_oracle(random_model_path, monkeypat
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
     layers = AutoConfig.from_pretrained(random_model_path).num_hidden_layers
     draft = truncated_draft(random_model_path, tmp_path / "draft", layers)  # the target as its own drafter
-    oracle = load_hf(random_model_path, torch.float32)
-    try:
-        check_speculation(random_model_path, oracle, {"model": str(draft), "num_speculative_tokens": 3,
-                                                      "disable_by_batch_size": 512}, dtype)
-    finally:
-        del oracle
-        free_gpu()
+    spec = {"model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": 512}
+    check_speculation(random_model_path, spec, dtype)

@@ -4,7 +4,7 @@ engine serving an int8 model on the GPU, agreeing with the same engine in the mo
 
 import pytest
 import torch
-from gpu_helpers import GPU, engine_greedy, prompts
+from gpu_helpers import GPU, PROJECTION_SHAPES, engine_greedy, prompts
 from pagedserve.kernels import reference
 from pagedserve.server.layers.quantization.int8 import quantize_per_channel
 
@@ -13,13 +13,11 @@ pytestmark = GPU
 # (atol, rtol) against the fp32 reference on the same inputs (bf16/fp16 outputs are rounded once).
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (1e-4, 1e-4)}
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in TOLERANCE]
-# (N, K): SmolLM2-135M's qkv, gate_up, down; Llama-3-8B's qkv and down.
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (6144, 4096), (4096, 14336)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize(("n", "k"), PROJECTION_SHAPES)
 def test_w8a16_matmul_matches_reference(n, k, rows, dtype):
     from pagedserve.kernels.w8a16_matmul import w8a16_matmul
 
