@@ -3,12 +3,19 @@
 Per (N, K) and rows M: the fp32 projection the engine runs without quantization (oneDNN,
 server/layers/linear.py ``linear``), our C++ kernel (kernels/csrc/w8a16_cpu.cpp), torch's
 ``aten._weight_int8pack_mm`` (per-channel int8; bf16 activations, the dtype it is fast in) and
-dequantize-then-fp32-GEMM (what kernels/cpu.py runs above ``W8A16_MAX_NATIVE_ROWS``). Times are the
+dequantize-then-fp32-GEMM (what kernels/cpu.py runs above ``W8A16_MAX_NATIVE_ROWS``).
+
+``--gguf-step`` instead loads the embedded model in gguf mode and times, per row count, its GGUF
+projections and head one after another, as a decode step runs them (so the weights stream from memory,
+not from cache): the int8 x int8 block kernel (kernels/csrc/gguf_cpu.cpp), the bfloat16 copy as
+kernels/cpu.py ``gguf_dense_weight`` keeps it (packed into oneDNN's layout), and the same copy as a plain
+matrix. This is what ``GGUF_DENSE_ROWS`` is set from. Times are the
 best of ``--repeats`` rounds of ``--calls`` calls, rounds interleaved across candidates so that load
 from other processes hits them alike; CPU time of this process with ``--cpu-time`` (less sensitive to a
 shared machine; one thread then).
 
     PYTHONSAFEPATH=1 OMP_WAIT_POLICY=PASSIVE python -m pagedserve.benchmarks.quantized_linear [--threads 2]
+        [--gguf-step]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections.abc import Callable
 # (N, K): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, and the tied LM head 576->49152.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 ROWS = [1, 4, 8, 16, 32, 64]
+GGUF_STEP_ROWS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def candidates(x, weight, q, scale) -> dict[str, Callable[[], object]]:
@@ -50,12 +58,52 @@ def best_of(candidates: dict[str, Callable[[], object]], calls: int, repeats: in
     return best
 
 
+def gguf_step_candidates(layers: list, x_by_width: dict) -> dict[str, Callable[[], object]]:
+    """One decode step's GGUF products, each way: every layer in model order on rows of its width."""
+    from pagedserve.kernels import cpu
+
+    ops = cpu.load_extension()
+    plain = {id(layer): layer.weight_dense.to_dense() for layer in layers}
+
+    def step(product: Callable) -> Callable[[], None]:
+        def run() -> None:
+            for layer in layers:
+                product(layer, x_by_width[layer.gguf_shape[1]])
+        return run
+
+    return {
+        "int8 blocks": step(lambda layer, x: ops.gguf_matmul(
+            x, layer.weight, layer.weight_scales, layer.weight_mins, layer.gguf_type, None)),
+        "bf16 packed": step(lambda layer, x: cpu.dense_bf16_matmul(x, layer.weight_dense)),
+        "bf16 plain": step(lambda layer, x: cpu.dense_bf16_matmul(x, plain[id(layer)])),
+    }
+
+
+def gguf_step(args: argparse.Namespace, clock) -> None:
+    import torch
+    from pagedserve import LLM
+
+    llm = LLM(quantization="gguf")
+    model = llm.engine.core.model
+    layers = [m for m in model.modules() if getattr(m, "weight_dense", None) is not None]
+    assert layers, "no bfloat16 copies: this CPU has no native bfloat16 dot product (kernels/cpu.py)"
+    widths = {layer.gguf_shape[1] for layer in layers}
+    print(f"{len(layers)} GGUF layers, ms per step (all of them once)")
+    print("| rows | int8 blocks | bf16 packed | bf16 plain |")
+    print("| --- | --- | --- | --- |")
+    for m in GGUF_STEP_ROWS:
+        x_by_width = {k: torch.randn(m, k) for k in widths}
+        times = best_of(gguf_step_candidates(layers, x_by_width), 1, args.repeats, clock)
+        print(f"| {m} | " + " | ".join(f"{t / 1e3:.1f}" for t in times.values()) + " |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time (sets one thread)")
+    parser.add_argument("--gguf-step", action="store_true", help="the embedded model's GGUF layers per step")
     args = parser.parse_args(argv)
     import torch
     from pagedserve.kernels import cpu
@@ -64,7 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1 if args.cpu_time else args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
     assert cpu.load_extension() is not None, "the CPU kernels did not build"
-    print(f"threads {torch.get_num_threads()}, {'CPU' if args.cpu_time else 'wall'} time, us per call")
+    print(f"threads {torch.get_num_threads()}, {'CPU' if args.cpu_time else 'wall'} time")
+    if args.gguf_step:
+        gguf_step(args, clock)
+        return
     print("| N x K | rows | fp32 (oneDNN) | int8 ours | int8pack_mm bf16 | dequant + fp32 GEMM "
           "| fp32 / ours |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -120,6 +120,9 @@ def test_dense_copy_is_the_dequantized_blocks_in_bfloat16_bit_for_bit(qtype, n, 
     assert bool(actual[0, :32].isnan().all())
     assert torch.equal(actual.view(torch.int16)[:, 32:], expected.view(torch.int16)[:, 32:])
     assert torch.equal(actual.view(torch.int16)[1:], expected.view(torch.int16)[1:])
+    packed = cpu.gguf_dense_weight(qs, scales, mins, qtype)  # what a layer keeps, on a native-bf16 CPU
+    if packed is not None:
+        assert packed.is_mkldnn and torch.equal(packed.to_dense().view(torch.int16), actual.view(torch.int16))
 
 
 @needs_kernels
@@ -132,10 +135,13 @@ def test_batched_rows_multiply_by_the_dense_copy(qtype, rows):
     gen = torch.Generator().manual_seed(rows + qtype)
     qs, scales, mins = random_blocks(96, 576, qtype, gen)
     x, b = torch.randn(rows, 576, generator=gen), torch.randn(96, generator=gen)
-    dense = cpu.load_extension().gguf_dequantize_bf16(qs, scales, mins, qtype)
+    # The copy as layers keep it (packed into oneDNN's layout) where this CPU makes one, else plain.
+    dense = cpu.gguf_dense_weight(qs, scales, mins, qtype)
+    if dense is None:
+        dense = cpu.load_extension().gguf_dequantize_bf16(qs, scales, mins, qtype)
     actual = cpu.gguf_matmul(x, qs, scales, mins, qtype, b, dense=dense)
     if rows >= cpu.GGUF_DENSE_ROWS:
-        product = x.to(torch.bfloat16).float() @ dense.float().T
+        product = x.to(torch.bfloat16).float() @ dense.to_dense().float().T
         torch.testing.assert_close(actual - b, product, atol=1e-5 * product.abs().max().item(), rtol=2**-8)
     else:
         expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
