@@ -81,6 +81,7 @@ def gguf_step_candidates(layers: list, x_by_width: dict) -> dict[str, Callable[[
 
 def gguf_step(args: argparse.Namespace, clock) -> None:
     import torch
+
     from pagedserve import LLM
 
     llm = LLM(quantization="gguf")
