@@ -28,6 +28,7 @@ from pagedserve.testing import helm as chart
 from pagedserve.testing import kube_assets, pods, test_node
 from pagedserve.testing.controlplane import ControlPlane
 from pagedserve.testing.net import wait_until
+from pagedserve.testing.processes import DEMO_ANSWER
 
 pytestmark = pytest.mark.slow
 
@@ -195,15 +196,15 @@ def engine_slice_addresses(cluster: Cluster) -> set[str]:
     }
 
 
-# --- 1. helm install, kubectl apply, "Paris" through the router --------------------------------------
+# --- 1. helm install, kubectl apply, the demo answer through the router -------------------------------
 
 
-def test_helm_install_and_apply_answer_paris_through_the_router(cluster: Cluster, served: str) -> None:
+def test_helm_install_and_apply_answer_through_the_router(cluster: Cluster, served: str) -> None:
     engine_ips = {p["status"]["podIP"] for p in cluster.ready_pods(NAMESPACE, ENGINE)}
     # the router's view is the real EndpointSlice controller's, from the pods the node reported
     wait_until(lambda: engine_slice_addresses(cluster) == engine_ips, 30, "the engine in the EndpointSlice")
-    answer = pods.ask_capital_of_france(served)
-    assert "Paris" in answer, answer
+    answer = pods.ask_demo_question(served)
+    assert DEMO_ANSWER in answer, answer
     md = cluster.get("md", pods.NAME, "-n", NAMESPACE)
     assert md["status"]["readyReplicas"] == 1, md["status"]
 
@@ -308,7 +309,7 @@ def test_spec_edit_rolls_the_engine_deployment(cluster: Cluster, served: str) ->
         lambda: condition(cluster.get("md", pods.NAME, "-n", NAMESPACE), "Ready") == "True", 60, "Ready"
     )
     assert md["status"]["readyReplicas"] == 1
-    assert "Paris" in pods.ask_capital_of_france(router_url(cluster))
+    assert DEMO_ANSWER in pods.ask_demo_question(router_url(cluster))
 
 
 def _flag(deployment: dict[str, Any], flag: str) -> str:

@@ -7,7 +7,7 @@ writable place than the volumes the pod mounts (an emptyDir: a fresh folder here
 a memory emptyDir: a tmpfs of its sizeLimit), all capabilities dropped, no privilege escalation. The
 network is the host's, and only its loopback is used (the listen addresses are 127.0.0.1).
 
-- the CPU server image answers through the router in the control image ("Paris") and runs the C++
+- the CPU server image answers through the router in the control image (``DEMO_ANSWER``) and runs the C++
   kernels (/version says backend "cpu", which falls back to "torch" where they cannot build);
 - the control image has no torch and starts the operator far enough to show its imports and entry point
   (up to kopf's login, which fails without a cluster);
@@ -31,7 +31,7 @@ from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, DEFA
 
 from pagedserve.testing import pods
 from pagedserve.testing.net import free_port
-from pagedserve.testing.processes import ManagedProcess, ServerProcess
+from pagedserve.testing.processes import DEMO_ANSWER, ManagedProcess, ServerProcess
 
 pytestmark = [
     pytest.mark.slow,
@@ -121,9 +121,9 @@ def test_server_answers_through_the_router(tmp_path: Path, processes: list[Manag
 
     version = httpx.get(f"http://127.0.0.1:{engine_port}/version", timeout=30).json()
     assert version["backend"] == "cpu", (version, processes[0].log_tail())
-    answer = pods.ask_capital_of_france(f"http://127.0.0.1:{router_port}/v1")
+    answer = pods.ask_demo_question(f"http://127.0.0.1:{router_port}/v1")
     print(f"\n{DEFAULT_CPU_IMAGE} through {DEFAULT_ROUTER_IMAGE}: {answer!r} (backend {version['backend']})")
-    assert "Paris" in answer, answer
+    assert DEMO_ANSWER in answer, answer
 
 
 def test_control_image_has_no_torch(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ rewritten: listen addresses and ports (127.0.0.1, free ports), the router's Kube
 (``--k8s-service/--namespace/--target-port`` becomes ``--backend http://127.0.0.1:PORT``), volume mount
 paths (a temporary folder) and Secret references (their values). Where the machine allows
 (pagedserve/testing/sandbox.py), each runs with a read-only root filesystem and only that folder
-writable, as in its pod. The OpenAI client then asks the router for the capital of France.
+writable, as in its pod. The OpenAI client then asks the router the demo question (``DEMO_QUESTION``).
 e2e/test_images.py runs the same containers in the images `make images` builds.
 """
 
@@ -22,7 +22,7 @@ import pytest
 
 from pagedserve.testing import pods, sandbox
 from pagedserve.testing.net import free_port
-from pagedserve.testing.processes import ServerProcess, container_program
+from pagedserve.testing.processes import DEMO_ANSWER, ServerProcess, container_program
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def start(
     ).start()
 
 
-def test_rendered_containers_answer_paris(tmp_path: Path, processes: list[Any]) -> None:
+def test_rendered_containers_answer(tmp_path: Path, processes: list[Any]) -> None:
     found = pods.containers()
     engine, router = found["engine"]["container"], found["router"]["container"]
     engine_port, router_port = free_port(), free_port()
@@ -87,8 +87,8 @@ def test_rendered_containers_answer_paris(tmp_path: Path, processes: list[Any]) 
     processes[1].wait_ready(60)
 
     base_url = f"http://127.0.0.1:{router_port}/v1"
-    answer = pods.ask_capital_of_france(base_url)
-    assert "Paris" in answer, answer
+    answer = pods.ask_demo_question(base_url)
+    assert DEMO_ANSWER in answer, answer
 
     # the API key from the Secret guards the endpoint
     denied = httpx.post(f"{base_url}/chat/completions", json={"model": pods.NAME, "messages": []}, timeout=30)

@@ -27,7 +27,7 @@ import pytest
 
 from pagedserve.testing import pods
 from pagedserve.testing.net import free_port
-from pagedserve.testing.processes import ServerProcess, pagedserve_argv
+from pagedserve.testing.processes import DEMO_ANSWER, DEMO_QUESTION, ServerProcess, pagedserve_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -231,9 +231,9 @@ async def scale_from_zero_and_back(
     )
 
     # The first request after the idle period wakes the fleet again and is answered.
-    response = await ask(router, "What is the capital of France?")
+    response = await ask(router, DEMO_QUESTION)
     assert response.status_code == 200, response.text
-    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+    assert DEMO_ANSWER in response.json()["choices"][0]["message"]["content"]
     assert kubelet.starts == 2
     assert metric(router, "pagedserve_router_wake_up_seconds_count") == 2
 

@@ -66,8 +66,11 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     # vLLM's dict (or its JSON text), parsed into server/spec_decode/config.py SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
-    # Weight quantization (server/layers/quantization/): None (the checkpoint's dtype), "int8" (weight-only,
-    # per output channel, quantized at load) or "gguf" (a .gguf model's own Q8_0/Q4_0/Q4_1 blocks).
+    # Weight quantization (server/layers/quantization/): "int8" (weight-only, per output channel, quantized
+    # at load), "gguf" (a .gguf model's own Q8_0/Q4_0/Q4_1 blocks) or None: the checkpoint's own format, as
+    # vLLM detects a checkpoint's quantization. That is "gguf" for a .gguf file, the embedded model
+    # included, on one CPU rank (checkpoint_quantization); a model folder, or a converted .gguf's folder,
+    # is its float tensors.
     quantization: str | None = None
     # Many LoRA adapters on the base model (server/lora/): max_loras device slots (distinct adapters per
     # step), adapters up to max_lora_rank, a CPU cache of max_cpu_loras (None: max_loras) read adapters,
@@ -113,6 +116,8 @@ class EngineConfig:
         if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
             raise ValueError("calculate_kv_scales needs an fp8 kv_cache_dtype (the scales of an "
                              f"{self.kv_cache_dtype!r} cache do nothing)")
+        if self.quantization is None:
+            self.quantization = self.checkpoint_quantization()
         if self.quantization is not None:
             from pagedserve.server.layers.quantization import QUANTIZATION_METHODS
 
@@ -130,6 +135,17 @@ class EngineConfig:
                 f"got {self.generation_config!r}"
             )
         self._check_tensor_parallel()
+
+    def checkpoint_quantization(self) -> str | None:
+        """The mode a model given without one runs in: its GGUF blocks for a .gguf file (None: the
+        embedded model's), on a CPU and one rank. gguf is the fastest mode there whose quality holds
+        (benchmarks/README.md, "The embedded model's default mode"; tests/models/test_quantization.py). On a
+        GPU the Triton GGUF kernel is slower than the bfloat16 GEMM (benchmarks/README.md, "On a GPU"), and
+        under tensor parallelism the blocks are not split, so float weights there."""
+        gguf_file = self.model is None or (self.model.endswith(".gguf") and Path(self.model).is_file())
+        on_one_cpu = self.tensor_parallel_size == 1 and self.device in ("auto", "cpu") and (
+            self.torch_device.type == "cpu")
+        return "gguf" if gguf_file and on_one_cpu else None
 
     def _check_tensor_parallel(self) -> None:
         """What does not run split across ranks yet is refused here, never run wrong."""

@@ -6,7 +6,8 @@ with no ``sys.path`` edits). Importing it never imports torch: the router's test
 
 - net.py: ``free_port()``, ``wait_http()`` (fails at once, with the log's tail, when the server dies)
 - processes.py: ``serve_process()``, ``router_process()``, ``fake_openai_process()`` and
-  ``ManagedProcess`` for any command: a log file, SIGTERM then SIGKILL to the whole group, always
+  ``ManagedProcess`` for any command: a log file, SIGTERM then SIGKILL to the whole group, always;
+  ``float_model_args()`` (the embedded model's float32 weights) and ``DEMO_QUESTION``/``DEMO_ANSWER``
 - fake_openai.py: ``FakeOpenAI``, the one fake engine replica (router tests, bench tests, benchmarks)
 - server_thread.py: ``ServerThread``, an ASGI app on uvicorn inside the test process
 - tiny_tokenizer.py: a byte-level tokenizer folder with a chat template (no hub, no torch)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.operator import render
+from pagedserve.testing.processes import DEMO_QUESTION
 
 NAME, NAMESPACE, API_KEY = "e2e", "default", "e2e-secret-key"
 # The Secrets the ModelDeployment refers to: (name, key) -> value.
@@ -106,14 +107,15 @@ def env_value(item: dict[str, Any]) -> str:
     return item["value"]
 
 
-def ask_capital_of_france(base_url: str) -> str:
-    """The answer of the served model (through the OpenAI client) to the question every e2e test asks."""
+def ask_demo_question(base_url: str) -> str:
+    """The answer of the served model (through the OpenAI client) to the question every e2e test asks
+    (``DEMO_QUESTION``; it holds ``DEMO_ANSWER``)."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=API_KEY, timeout=120, max_retries=0)
     reply = client.chat.completions.create(
         model=NAME,  # servedModelName defaults to the ModelDeployment's name
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": DEMO_QUESTION}],
         temperature=0,
         max_tokens=32,
     )

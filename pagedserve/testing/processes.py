@@ -35,6 +35,14 @@ CHILD_ENV_DEFAULTS = {
     "PYTHONSAFEPATH": "1",
 }
 
+# The question the README, `make serve` and the server and e2e tests ask the embedded model, and the word
+# its answer holds, in every mode. Not France: in gguf mode (the embedded model's default on a CPU) that
+# question's first token is a near-tie ("The" -1.88 against "L" -1.97 nats in float32) which the blocks'
+# rounding flips into "L'Étoile, ...", as llama.cpp does on the same file; here "The" leads "Der" by
+# 0.66 nats in float32 and 0.58 in gguf (benchmarks/README.md, "The embedded model's default mode").
+DEMO_QUESTION = "What is the capital of Germany?"
+DEMO_ANSWER = "Berlin"
+
 P = TypeVar("P", bound="ManagedProcess")
 
 
@@ -168,10 +176,22 @@ def pagedserve_argv(*args: str) -> list[str]:
 def serve_process(
     log_path: Path, *args: str, port: int | None = None, host: str = "127.0.0.1", **kw
 ) -> ServerProcess:
-    """`pagedserve serve` (the embedded model unless ``args`` name another) on ``host:port``."""
+    """`pagedserve serve` (the embedded model in its default mode, gguf on a CPU, unless ``args`` name
+    another model or mode; ``float_model_args()`` for its float32 weights) on ``host:port``."""
     port = port or free_port(host)
     argv = pagedserve_argv("serve", "--host", host, "--port", str(port), *args)
     return ServerProcess(argv=argv, log_path=log_path, port=port, host=host, **kw)
+
+
+def float_model_args() -> tuple[str, ...]:
+    """`serve` flags for the embedded model's float32 weights, which tests comparing with HF Transformers
+    (or HF + peft, or an ``LLM`` of the folder) serve: its converted folder named by path is its float
+    tensors, where the model left unnamed runs its GGUF blocks (server/config.py
+    ``checkpoint_quantization``). Served under the folder's name, as the model left unnamed is."""
+    from pagedserve import default_model
+
+    folder = str(default_model())
+    return ("--model", folder, "--served-model-name", os.path.basename(folder))
 
 
 def router_process(

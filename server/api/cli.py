@@ -204,7 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--quantization", "-q", default=None,
         help="weight format: int8 (weight-only, per output channel, quantized at load) or gguf (a .gguf "
-        "model's own Q8_0/Q4_0/Q4_1 blocks, the embedded model's included); default none",
+        "model's own Q8_0/Q4_0/Q4_1 blocks); default: gguf for a .gguf model, the embedded one included, on "
+        "one CPU rank, else none (the weights' own float dtype)",
     )  # fmt: skip
     engine.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

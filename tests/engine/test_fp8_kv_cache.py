@@ -19,7 +19,7 @@ from pagedserve.server.config import EngineConfig
 from pagedserve.server.worker.model_runner import ModelRunner
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.testing.processes import ServerProcess, serve_process
+from pagedserve.testing.processes import DEMO_ANSWER, DEMO_QUESTION, ServerProcess, serve_process
 
 KV_BYTES = 1 << 27  # the same budget for both caches
 PROMPTS = [
@@ -158,11 +158,11 @@ def test_server_with_fp8_cache_answers_and_says_so(fp8_server: ServerProcess):
     client = openai.OpenAI(base_url=f"{fp8_server.url}/v1", api_key="none", max_retries=0, timeout=120)
     result = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": DEMO_QUESTION}],
         max_tokens=24,
         temperature=0,
     )
-    assert "Paris" in (result.choices[0].message.content or "")
+    assert DEMO_ANSWER in (result.choices[0].message.content or "")
     assert "kv_cache_dtype=torch.float8_e4m3fn" in fp8_server.log_text()
     metrics = httpx.get(f"{fp8_server.url}/metrics", timeout=10).text
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))

@@ -16,7 +16,7 @@ import pytest
 from conftest import MAX_TOKENS, LoRAFixture, copy_adapter
 from transformers import AutoTokenizer
 
-from pagedserve.testing.processes import ServerProcess, serve_process
+from pagedserve.testing.processes import ServerProcess, float_model_args, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, lora_setup: LoRAFixture) ->
     log = tmp_path_factory.mktemp("serve") / "server.log"
     qv4, attn8 = lora_setup.adapters["qv4"].request, lora_setup.adapters["attn8"].request
     flags = [
+        *float_model_args(),  # HF + peft's weights: the float32 ones
         "--max-model-len", "256", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
         "--lora-modules", f"qv4={qv4.lora_path}", json.dumps({"name": "attn8", "path": attn8.lora_path}),
     ]  # fmt: skip

@@ -162,6 +162,20 @@ def test_gguf_needs_a_gguf_model(tmp_path: Path, default_model_path: str) -> Non
         load_model(folder, "float32", "cpu", backend=backend, quantization="gguf")
 
 
+def test_a_gguf_model_runs_its_blocks_unless_told_otherwise(tmp_path: Path, default_model_path: str) -> None:
+    """The checkpoint's own format, as vLLM detects it (server/config.py checkpoint_quantization): a .gguf
+    file's blocks, the embedded model's included, on one CPU rank; a folder's float tensors, the embedded
+    model's converted folder included; float weights on a GPU and over ranks; a named mode always wins."""
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")  # only its name and existence are read here
+    assert EngineConfig().quantization == "gguf"
+    assert EngineConfig(model=str(gguf_file)).quantization == "gguf"
+    assert EngineConfig(model=default_model_path).quantization is None
+    assert EngineConfig(model=str(gguf_file), quantization="int8").quantization == "int8"
+    assert EngineConfig(device="cuda").quantization is None
+    assert EngineConfig(tensor_parallel_size=2).quantization is None
+
+
 def test_unknown_quantization_lists_the_known_modes() -> None:
     with pytest.raises(ValueError, match="int8, gguf"):
         EngineConfig(quantization="gptq")

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve import default_model
-from pagedserve.testing.processes import ServerProcess, serve_process
+from pagedserve.testing.processes import ServerProcess, float_model_args, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ LONG = "A long shared prefix that several tenants send, spanning many KV blocks 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve_process(log, "--max-model-len", "512") as srv:
+    with serve_process(log, *float_model_args(), "--max-model-len", "512") as srv:
         srv.wait_ready(240)
         yield srv
 

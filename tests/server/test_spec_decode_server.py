@@ -1,6 +1,8 @@
 """A real `pagedserve serve --speculative-config ...` process, by n-gram and by a draft model (the embedded
 model drafting for itself): greedy completions (whole and streamed) identical to the engine without
-speculation, and vLLM's spec-decode counters in /metrics."""
+speculation, and vLLM's spec-decode counters in /metrics. Both serve the float32 weights: in gguf mode a
+batch's row count picks the kernel (kernels/cpu.py ``GGUF_DENSE_ROWS``), so a verification batch of k + 1
+rows rounds differently from a one-row decode step, as any engine whose kernels depend on the shape."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams, default_model
-from pagedserve.testing.processes import ServerProcess, serve_process
+from pagedserve.testing.processes import ServerProcess, float_model_args, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +44,8 @@ def spec(request: pytest.FixtureRequest) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, spec: dict) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve_process(log, "--max-model-len", "512", "--speculative-config", json.dumps(spec)) as srv:
+    with serve_process(log, *float_model_args(), "--max-model-len", "512", "--speculative-config",
+                       json.dumps(spec)) as srv:
         srv.wait_ready(240)
         yield srv
 

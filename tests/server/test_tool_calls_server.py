@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.testing.processes import ServerProcess, serve_process
+from pagedserve.testing.processes import ServerProcess, float_model_args, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,11 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    flags = ["--max-model-len", "1024", "--disable-access-log", "--enable-auto-tool-choice",
-             "--tool-call-parser", "hermes"]  # fmt: skip
+    # The float32 weights: the seeded samples below finish within MAX_TOKENS there. In gguf mode, where a
+    # batch's row count picks the kernel (kernels/cpu.py GGUF_DENSE_ROWS), one of the 40 concurrent runs
+    # sampled its way past MAX_TOKENS: the 135M model's choice at temperature 0.7, not the grammar's.
+    flags = [*float_model_args(), "--max-model-len", "1024", "--disable-access-log",
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
     with serve_process(log, *flags) as srv:
         srv.wait_ready(STARTUP_TIMEOUT_S)
         yield srv
