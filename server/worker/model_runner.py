@@ -5,8 +5,11 @@ requests whose chunk reaches their last known token are sampled; a partial promp
 its blocks, and gives its positions' prompt logprobs to a request that asked for them
 (server/worker/prompt_logprobs.py appends those to ``Request.prompt_logprobs``). The grammar bitmask of
 the sampled requests is filled once the forward pass is launched (server/structured_output/bitmask.py).
-A decode with draft tokens runs as a short chunk (the last known token, then the drafts) whose every
-position gets logits; server/spec_decode/rejection_sampler.py keeps the drafts the target agrees with.
+A decode with draft tokens runs as one decode row per position (the last known token, then the drafts),
+each attending to the cache up to itself: the same decode kernel over the same blocks as a decode without
+drafts, so the target's logits at each position are bit for bit those it would compute one token at a
+time (a prefill chunk sums in another order, which quantized activations amplify into other greedy
+tokens); server/spec_decode/rejection_sampler.py keeps the drafts the target agrees with.
 With a host KV tier the runner owns its tensors (each layer's K and V, the cache's shape and dtype, in
 pinned memory beside a GPU) and applies the step's ``KVTransfers`` before the forward pass
 (server/core/host_tier.py decides them). With a draft model (server/spec_decode/draft_model.py) the
@@ -256,44 +259,52 @@ class ModelRunner:
         return results
 
     def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1 and not s.spec_token_ids]
         if self.lora is not None:  # each adapter's tokens in one run per kind: kernels/cpu.py _SlotRuns
             decodes.sort(key=_adapter_of)
             prefills.sort(key=_adapter_of)
         ordered = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
-        rows: list[int] = []
-        context_lens: list[int] = []
+        rows: list[int] = []  # each token's row of the block tables
+        tables: list[list[int]] = []  # one per decode token, then one per prefill chunk
+        context_lens: list[int] = []  # per row of the block tables
         sample_indices: list[int] = []
         sampled: list[Request] = []
         spec_indices: list[int] = []
         spec_requests: list[ScheduledRequest] = []
         prompt_rows: list[PromptLogprobRows] = []
-        for row, item in enumerate(ordered):
+        for index, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
+            blocks = block_ids[request.request_id]
+            if index < len(decodes):  # a row per token, attending up to itself
+                rows.extend(range(len(tables), len(tables) + item.num_new_tokens))
+                tables.extend([blocks] * item.num_new_tokens)
+                context_lens.extend(range(start + 1, end + 1))
+            else:
+                rows.extend([len(tables)] * item.num_new_tokens)
+                tables.append(blocks)
+                context_lens.append(end)
             if (wanted := prompt_logprob_rows(request, len(token_ids), start, end)) is not None:
                 prompt_rows.append(wanted)
             num_drafts = len(item.spec_token_ids)
             token_ids.extend(request.token_slice(start, end - num_drafts))
             token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
-            rows.extend([row] * item.num_new_tokens)
-            context_lens.append(end)
             if num_drafts:
                 spec_indices.extend(range(len(token_ids) - num_drafts - 1, len(token_ids)))
                 spec_requests.append(item)
             elif item.completes_sequence:
                 sample_indices.append(len(token_ids) - 1)
                 sampled.append(request)
-        tables = _pad_block_tables([block_ids[s.request.request_id] for s in ordered])
+        table_t = _pad_block_tables(tables)
         position_t = torch.tensor(positions, dtype=torch.long)
         row_t = torch.tensor(rows, dtype=torch.long)
-        block_of_token = tables[row_t, position_t // self.block_size].long()
+        block_of_token = table_t[row_t, position_t // self.block_size].long()
         slot_mapping = block_of_token * self.block_size + position_t % self.block_size
-        num_decodes = len(decodes)
+        num_decodes = sum(s.num_new_tokens for s in decodes)
         prefill_lens = [s.num_new_tokens for s in prefills]
         cu_seqlens = torch.tensor([0, *prefill_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         lens_t = torch.tensor(context_lens, dtype=torch.int32)
@@ -301,9 +312,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to(slot_mapping),
             num_decode_tokens=num_decodes,
-            decode_block_tables=to(tables[:num_decodes]),
+            decode_block_tables=to(table_t[:num_decodes]),
             decode_context_lens=to(lens_t[:num_decodes]),
-            prefill_block_tables=to(tables[num_decodes:]),
+            prefill_block_tables=to(table_t[num_decodes:]),
             prefill_cu_seqlens_q=to(cu_seqlens),
             prefill_context_lens=to(lens_t[num_decodes:]),
         )

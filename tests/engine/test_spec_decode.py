@@ -85,6 +85,24 @@ def test_greedy_one_at_a_time_with_the_default_batch_limit(llm: LLM, model_path:
     assert_idle(spec)
 
 
+def test_greedy_one_at_a_time_in_the_default_gguf_mode(model_path: str) -> None:
+    """The embedded model as `make serve` runs it (its GGUF blocks, int8 activations at batch 1), where
+    quantizing activations turns a different summation order into other tokens: a draft's verification
+    attends position by position through the decode kernel (server/worker/model_runner.py), so its logits
+    are bit for bit those of decoding one token at a time."""
+    plain, spec = LLM(), LLM(speculative_config=NGRAM)
+    assert spec.engine.core.config.quantization == "gguf"
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    # Chat questions whose answers verified as one prefill chunk left the plain engine's after 12-32 tokens
+    for question in ["Invent a name and a slogan for a new bakery.", "Describe your ideal weekend.",
+                     "Give me three ideas for a birthday party for a ten year old.", PROMPTS[0]]:
+        messages = [{"role": "user", "content": question}]
+        (want,), (got,) = plain.chat(messages, params), spec.chat(messages, params)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, question
+    assert spec_counts(spec)[1] > 0
+    assert_idle(spec)
+
+
 def test_max_tokens_and_stop_tokens_landing_mid_draft(llm: LLM, spec_llm: LLM) -> None:
     """A draft run accepted past max_tokens or past a stop token is cut at it; the tokens after it drop."""
     prompts = PROMPTS[:3] * 4
