@@ -1,8 +1,9 @@
 """Speculative decoding at batch 1. ``python -m pagedserve.benchmarks.spec_decode``.
 
-Two engines on the embedded model, one with ``speculative_config`` (n-gram by default; ``--draft-layers
-N`` drafts with a model instead: the embedded model itself for N = 0, else its first N layers,
-pagedserve/testing/draft_models.py) and one without, decode the
+Two engines on the embedded model (in its default mode, gguf on a CPU; ``--model`` names another), one
+with ``speculative_config`` (n-gram by default; ``--draft-layers N`` drafts with a model instead: the
+embedded model's float32 folder for N = 0, else its first N layers, pagedserve/testing/draft_models.py)
+and one without, decode the
 same prompts one at a time, alternating prompt by prompt so that load on a shared machine hits both
 alike, on two workloads:
 
@@ -107,19 +108,23 @@ def main(argv: list[str] | None = None) -> int:
                              "--speculative-config)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="with --draft-layers")
     parser.add_argument("--prompts", type=int, default=None, help="only the first N prompts of each workload")
+    parser.add_argument("--model", default=None,
+                        help="target model (default: the embedded one in its default mode, gguf on a CPU; "
+                             "its converted folder for the float32 weights)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
 
     from pagedserve import LLM, default_model
 
-    model = str(default_model())
+    folder = str(default_model())  # the float32 weights a draft model is cut from
     if args.draft_layers is not None:
-        draft = {"model": draft_folder(model, args.draft_layers),
+        draft = {"model": draft_folder(folder, args.draft_layers),
                  "num_speculative_tokens": args.num_speculative_tokens}
         args.speculative_config = json.dumps(draft)
     kv = {"kv_cache_memory_bytes": 256 << 20}
-    base = LLM(model, **kv)
-    spec = LLM(model, speculative_config=args.speculative_config, **kv)
+    base = LLM(args.model, **kv)
+    spec = LLM(args.model, speculative_config=args.speculative_config, **kv)
+    print(f"target {args.model or 'the embedded model'}, quantization {base.engine.core.config.quantization}")
     warm = ["Hello there."]
     run(warm, base, spec, 8)
     results = {
