@@ -203,10 +203,12 @@ def fused_moe(
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
 # Rows from which gguf_matmul multiplies by the layer's bfloat16 copy of its blocks (gguf_dense_weight), where
-# it has one. Measured here (AVX512-BF16, 2 threads, the embedded model's projections and head summed over a
-# decode step): up to 4 rows the int8 kernel reads 4.5 bits a weight against 16 and wins on bytes (1 row:
-# 7.9 against 19.2 ms); from 8 rows the product is compute-bound and oneDNN's bfloat16 GEMM wins (8 rows:
-# 22.8 against 29.8 ms; 16 rows: 2-2.5x; benchmarks/README.md, "GGUF blocks at batch sizes").
+# it has one. Measured here (AVX512-BF16, 2 threads, the embedded model's 121 GGUF projections and head
+# summed over a decode step, `python -m pagedserve.benchmarks.quantized_linear --gguf-step`): up to 6 rows
+# the int8 kernel reads 4.5 bits a weight against 16 and wins on bytes (1 row: 12.8 against 23.1 ms; 6 rows
+# 22.2 against 24.5); from 8 rows the product is compute-bound and oneDNN's bfloat16 GEMM on the packed copy
+# wins (8 rows: 22.6 against 24.4 ms; 16 rows 28.3 against 41.4; benchmarks/README.md, "Packed bfloat16
+# copies").
 GGUF_DENSE_ROWS = 8
 
 
