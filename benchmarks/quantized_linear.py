@@ -58,12 +58,12 @@ def best_of(candidates: dict[str, Callable[[], object]], calls: int, repeats: in
     return best
 
 
-def gguf_step_candidates(layers: list, x_by_width: dict) -> dict[str, Callable[[], object]]:
-    """One decode step's GGUF products, each way: every layer in model order on rows of its width."""
+def gguf_step_candidates(layers: list, plain: dict, x_by_width: dict) -> dict[str, Callable[[], object]]:
+    """One decode step's GGUF products, each way: every layer in model order on rows of its width.
+    ``plain``: each layer's copy as a plain matrix, by ``id(layer)``."""
     from pagedserve.kernels import cpu
 
     ops = cpu.load_extension()
-    plain = {id(layer): layer.weight_dense.to_dense() for layer in layers}
 
     def step(product: Callable) -> Callable[[], None]:
         def run() -> None:
@@ -89,12 +89,13 @@ def gguf_step(args: argparse.Namespace, clock) -> None:
     layers = [m for m in model.modules() if getattr(m, "weight_dense", None) is not None]
     assert layers, "no bfloat16 copies: this CPU has no native bfloat16 dot product (kernels/cpu.py)"
     widths = {layer.gguf_shape[1] for layer in layers}
+    plain = {id(layer): layer.weight_dense.to_dense() for layer in layers}  # unpacked once, for all rows
     print(f"{len(layers)} GGUF layers, ms per step (all of them once)")
     print("| rows | int8 blocks | bf16 packed | bf16 plain |")
     print("| --- | --- | --- | --- |")
     for m in GGUF_STEP_ROWS:
         x_by_width = {k: torch.randn(m, k) for k in widths}
-        times = best_of(gguf_step_candidates(layers, x_by_width), 1, args.repeats, clock)
+        times = best_of(gguf_step_candidates(layers, plain, x_by_width), 1, args.repeats, clock)
         print(f"| {m} | " + " | ".join(f"{t / 1e3:.1f}" for t in times.values()) + " |", flush=True)
 
 
