@@ -168,7 +168,9 @@ def apply_rotary(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    ops = _native(x)
+    """Same contract as ``reference.silu_and_mul``, in float32 or bfloat16: the bfloat16 gate/up rows of
+    ``dense_bf16_matmul`` go to the down projection's as bfloat16, with no float32 copy in between."""
+    ops = load_extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     return reference.silu_and_mul(x) if ops is None else ops.silu_and_mul(x)
 
 
@@ -264,24 +266,27 @@ def gguf_matmul(
 ) -> torch.Tensor:
     """Same contract as ``reference.gguf_matmul`` below ``GGUF_DENSE_ROWS`` rows, or with no ``dense``:
     ``kernels/csrc/gguf_cpu.cpp``. From that many rows, given the layer's ``dense`` copy
-    (``gguf_dense_weight``), ``x`` rounded to bfloat16 times ``dense`` through oneDNN, accumulated in
-    float32 and rounded to bfloat16 (oneDNN's output takes its inputs' dtype): the dequantized product
-    with bfloat16 activations, finer than the kernel's int8 blocks, as a bfloat16 model computes it."""
-    ops = _native(x, *(() if bias is None else (bias,)))
-    if ops is None or qs.device.type != "cpu":
-        return reference.gguf_matmul(x, qs, scales, mins, qtype, bias)
+    (``gguf_dense_weight``), ``x`` (float32 or bfloat16) rounded to bfloat16 times ``dense`` through oneDNN,
+    accumulated in float32 and left in bfloat16 (oneDNN's output takes its inputs' dtype), or float32 with a
+    bias added: the dequantized product with bfloat16 activations, finer than the kernel's int8 blocks, as a
+    bfloat16 model computes it. Its caller converts, or hands the bfloat16 rows to the next product as they
+    are (server/layers/linear.py ``Linear.forward``)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if dense is not None and x2.shape[0] >= GGUF_DENSE_ROWS:
+    if dense is not None and x2.shape[0] >= GGUF_DENSE_ROWS and x.dtype in (torch.float32, torch.bfloat16):
         out = dense_bf16_matmul(x2, dense, bias)
     else:
+        ops = _native(x, *(() if bias is None else (bias,)))
+        if ops is None or qs.device.type != "cpu":
+            return reference.gguf_matmul(x, qs, scales, mins, qtype, bias)
         out = ops.gguf_matmul(x2, qs, scales, mins, qtype, bias)
     return out.view(*x.shape[:-1], qs.shape[0])
 
 
 def dense_bf16_matmul(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """2-D float32 ``x`` rounded to bfloat16 times a bfloat16 ``dense`` (packed or plain), through oneDNN."""
-    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), dense, None, "none", [], "").float()
-    return out if bias is None else out.add_(bias)
+    """2-D ``x`` rounded to bfloat16 times a bfloat16 ``dense`` (packed or plain), through oneDNN: bfloat16,
+    or float32 with the bias added."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), dense, None, "none", [], "")
+    return out if bias is None else out.float().add_(bias)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -73,31 +75,101 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   return {out, summed};
 }
 
-// silu(x[..., :d]) * x[..., d:]
+// silu(x[..., :d]) * x[..., d:] for one row of float32 values.
+inline void silu_and_mul_row(const float* gate, const float* up, int64_t d, float* o) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX2
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= d; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, pagedserve::exp256(_mm256_sub_ps(zero, g))));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < d; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+inline float from_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+// float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays a NaN).
+inline uint16_t to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (std::isnan(value)) return 0x7FC0;
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+#ifdef PAGEDSERVE_AVX2
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Eight floats' bfloat16 bits (rounded as to_bf16), one per 32-bit lane.
+inline __m256i bf16_bits(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bits),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+
+// Eight floats rounded to bfloat16 and widened back.
+inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+
+inline void store_bf16x8(uint16_t* p, __m256 v) {
+  // packus works within 128-bit lanes: the two lanes' four words land in quadwords 0 and 2.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(v), bf16_bits(v)), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
+
+// The same for bfloat16 values, as reference.silu_and_mul computes in bfloat16 (F.silu's result rounded
+// to bfloat16, then the product rounded): kernels/cpu.py gets bfloat16 gate/up rows from its bfloat16
+// products and hands this row straight to the down projection's, with no float32 copy either side.
+inline void silu_and_mul_row_bf16(const uint16_t* gate, const uint16_t* up, int64_t d, uint16_t* o) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX2
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= d; i += 8) {
+    const __m256 g = load_bf16x8(gate + i);
+    const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, pagedserve::exp256(_mm256_sub_ps(zero, g))));
+    store_bf16x8(o + i, _mm256_mul_ps(round_bf16(sig), load_bf16x8(up + i)));
+  }
+#endif
+  for (; i < d; ++i) {
+    const float g = from_bf16(gate[i]);
+    o[i] = to_bf16(from_bf16(to_bf16(g / (1.f + std::exp(-g)))) * from_bf16(up[i]));
+  }
+}
+
+// silu(x[..., :d]) * x[..., d:], float32 or bfloat16
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_float(x, "silu_and_mul");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat),
+              "pagedserve CPU silu_and_mul: float32 or bfloat16 CPU only");
   const at::Tensor input = x.contiguous();
   const int64_t width = input.size(-1), d = width / 2, rows = input.numel() / std::max<int64_t>(1, width);
   TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dimension must be even");
   std::vector<int64_t> shape = input.sizes().vec();
   shape.back() = d;
   at::Tensor out = at::empty(shape, input.options());
-  const float* x_ptr = input.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float *gate = x_ptr + r * width, *up = gate + d;
-      float* o = out_ptr + r * d;
-      int64_t i = 0;
-#ifdef PAGEDSERVE_AVX2
-      const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= d; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, pagedserve::exp256(_mm256_sub_ps(zero, g))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+      if (bf16) {
+        const auto* gate = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()) + r * width;
+        auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * d;
+        silu_and_mul_row_bf16(gate, gate + d, d, o);
+      } else {
+        const float* gate = input.data_ptr<float>() + r * width;
+        silu_and_mul_row(gate, gate + d, d, out.data_ptr<float>() + r * d);
       }
-#endif
-      for (; i < d; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
   });
   return out;

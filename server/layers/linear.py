@@ -140,12 +140,18 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self, self.in_features, self.out_features, self.dtype, self.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep_product_dtype: bool = False) -> torch.Tensor:
+        """``x @ W.T + b`` in the model dtype; with ``keep_product_dtype``, in the dtype the method computed
+        it in (the CPU's GGUF products in bfloat16: kernels/cpu.py ``gguf_matmul``), for a caller whose
+        next step takes it as it is and ends in another projection of the same method (GatedMLP in
+        server/models/decoder.py): a float32 copy there would be rounded back to bfloat16 anyway."""
         if self.parallel == "row":
             # The bias once, after the sum: each rank's partial product has none.
-            y = all_reduce(self.method.apply(self, x, None), self.tp)
+            y = all_reduce(self.method.apply(self, x, None).to(self.dtype), self.tp)
             return y if self.bias is None else y + self.bias
         y = self.method.apply(self, x, self.bias)
+        if self.lora is not None or not keep_product_dtype:
+            y = y.to(self.dtype)  # LoRA's deltas add to the model dtype's output, as peft's do
         return y if self.lora is None else self.lora.apply(x, y)
 
     def checkpoint_piece(self, name: str, shard: int | None) -> tuple[int, int, int] | None:

@@ -127,7 +127,9 @@ class GatedMLP(nn.Module):
         self.act_fn = get_act_and_mul(spec.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # The activation runs in the gate/up product's own dtype: bfloat16 rows from the CPU's GGUF products
+        # stay bfloat16 into the down projection's (server/layers/linear.py Linear.forward).
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, keep_product_dtype=True)))
 
 
 def _add_and_norm(

@@ -118,6 +118,19 @@ def test_silu_and_mul_matches_reference(op, shape):
     assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), 1e-4)
 
 
+@pytest.mark.parametrize("shape", [(64, 3072), (3, 2, 22)])  # vector and scalar tails
+def test_silu_and_mul_in_bfloat16_rounds_as_the_reference(op, shape):
+    """bfloat16 in and out, each step rounded as torch's bfloat16 ops round it (F.silu's result, then the
+    product): the same bits as the reference but where the kernel's exp and torch's, a few ulp of float32
+    apart, straddle a rounding boundary of bfloat16 (then one bfloat16 step apart)."""
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 6).to(torch.bfloat16)
+    actual, expected = cpu.silu_and_mul(x), reference.silu_and_mul(x)
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    step = expected.float().abs() * 2**-7 + 1e-30  # one bfloat16 step (8 significant bits) at most
+    assert ((actual.float() - expected.float()).abs() <= step).all()
+    assert (actual == expected).float().mean() > 0.99
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (2, 1, 10)])
 def test_apply_rotary_matches_reference(op, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(head_dim)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu, reference
 from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
 from pagedserve.server.layers.linear import Linear
 from pagedserve.server.layers.quantization.gguf import FLOAT, GGUFLinearMethod, split_blocks
 from pagedserve.server.loader.gguf import hf_name, unpermute_rows
+from pagedserve.server.models.decoder import GatedMLP
+from pagedserve.server.models.spec import DecoderSpec
 
 
 def raw_rows(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
@@ -94,3 +96,33 @@ def test_dummy_weights_reach_a_gguf_layer_as_floats(default_model_path: str) -> 
     down = model.model.layers[0].mlp.down_proj
     assert down.gguf_type == FLOAT and tuple(down.weight.shape) == (576, 1536)
     assert 0.015 < float(down.weight.std()) < 0.025
+
+
+@pytest.mark.skipif(
+    cpu.load_extension() is None or not cpu.native_bf16_gemm(), reason="no bfloat16 copies on this CPU"
+)
+@pytest.mark.parametrize("rows", [cpu.GGUF_DENSE_ROWS - 1, cpu.GGUF_DENSE_ROWS, 40])
+def test_the_mlp_keeps_its_batched_rows_in_bfloat16_between_products(rows: int) -> None:
+    """From GGUF_DENSE_ROWS rows the gate/up product's bfloat16 rows go through SiLU-and-mul in bfloat16 and
+    on to the down product as they are, as a bfloat16 model computes its MLP (no float32 copy whose
+    activation differs in the last bits); below it every product is the int8 kernel's, in float32."""
+    spec = DecoderSpec(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=1, num_kv_heads=1,
+                       head_dim=64, vocab_size=8, rms_norm_eps=1e-6)
+    mlp = GatedMLP(spec, cpu, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(rows)
+    for layer, sizes in ((mlp.gate_up_proj, (96, 96)), (mlp.down_proj, (64,))):
+        layer.set_method(GGUFLinearMethod(cpu.gguf_matmul, cpu.gguf_dense_weight))
+        for shard, size in enumerate(sizes):
+            blocks = random_gguf_blocks(size, layer.in_features, GGUF_TYPES["Q4_1"], gen)
+            layer.load("weight", raw_rows(*blocks), shard if len(sizes) > 1 else None)
+        layer.method.process_weights_after_loading(layer)
+    x = torch.randn(rows, 64, generator=gen)
+    out = mlp(x)
+    assert out.dtype == torch.float32
+    if rows < cpu.GGUF_DENSE_ROWS:
+        hidden = cpu.silu_and_mul(mlp.gate_up_proj(x))
+        assert hidden.dtype == torch.float32 and torch.equal(out, mlp.down_proj(hidden))
+        return
+    hidden = cpu.silu_and_mul(cpu.dense_bf16_matmul(x, mlp.gate_up_proj.weight_dense))
+    assert hidden.dtype == torch.bfloat16
+    assert torch.equal(out, cpu.dense_bf16_matmul(hidden, mlp.down_proj.weight_dense).float())

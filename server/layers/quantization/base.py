@@ -33,7 +33,10 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias`` for ``x`` ``[..., in_features]``."""
+        """``x @ W.T + bias`` for ``x`` ``[..., in_features]``, in the dtype the method computed it in:
+        the model dtype, or another (the CPU's GGUF products in bfloat16, kernels/cpu.py ``gguf_matmul``)
+        that ``Linear.forward`` converts. A method that returns another dtype takes it as ``x`` too (the
+        next projection's input, ``Linear.forward``'s ``keep_product_dtype``)."""
 
     @abstractmethod
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

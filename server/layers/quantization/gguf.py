@@ -120,11 +120,10 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_type == FLOAT:
             from pagedserve.server.layers.linear import linear
 
-            return linear(x, layer.weight.to(x.dtype), bias)
+            return linear(x.to(layer.dtype), layer.weight.to(layer.dtype), bias)
         dense = {} if layer.weight_dense is None else {"dense": layer.weight_dense}
-        out = self.matmul(x, layer.weight, layer.weight_scales, layer.weight_mins, layer.gguf_type, bias,
-                          **dense)
-        return out.to(x.dtype)
+        return self.matmul(x, layer.weight, layer.weight_scales, layer.weight_mins, layer.gguf_type, bias,
+                           **dense)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.gguf_type == FLOAT:
