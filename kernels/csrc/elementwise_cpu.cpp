@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -75,29 +76,27 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   return {out, summed};
 }
 
-// silu(x[..., :d]) * x[..., d:] for one row of float32 values.
-inline void silu_and_mul_row(const float* gate, const float* up, int64_t d, float* o) {
-  int64_t i = 0;
-#ifdef PAGEDSERVE_AVX2
-  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= d; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, pagedserve::exp256(_mm256_sub_ps(zero, g))));
-    _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
-  }
-#endif
-  for (; i < d; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-}
+// Row elements for silu_and_mul_row: float32 values as they are, bfloat16 ones (their bits, uint16_t)
+// widened to float32 on load and rounded to nearest even on store, as torch's .to(torch.bfloat16) rounds.
+inline float to_float(float value) { return value; }
 
-inline float from_bf16(uint16_t bits) {
+inline float to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float value;
   std::memcpy(&value, &wide, sizeof(value));
   return value;
 }
 
-// float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays a NaN).
-inline uint16_t to_bf16(float value) {
+template <typename T>
+T from_float(float value);
+
+template <>
+inline float from_float<float>(float value) {
+  return value;
+}
+
+template <>
+inline uint16_t from_float<uint16_t>(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   if (std::isnan(value)) return 0x7FC0;
@@ -105,12 +104,7 @@ inline uint16_t to_bf16(float value) {
 }
 
 #ifdef PAGEDSERVE_AVX2
-inline __m256 load_bf16x8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// Eight floats' bfloat16 bits (rounded as to_bf16), one per 32-bit lane.
+// Eight floats' bfloat16 bits (rounded as from_float<uint16_t>), one per 32-bit lane.
 inline __m256i bf16_bits(__m256 v) {
   __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -120,32 +114,46 @@ inline __m256i bf16_bits(__m256 v) {
                                               _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
 }
 
-// Eight floats rounded to bfloat16 and widened back.
-inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
-inline void store_bf16x8(uint16_t* p, __m256 v) {
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(uint16_t* p, __m256 v) {
   // packus works within 128-bit lanes: the two lanes' four words land in quadwords 0 and 2.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(v), bf16_bits(v)), 0b1000);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
+
+// Eight floats rounded to T and widened back.
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+}
 #endif
 
-// The same for bfloat16 values, as reference.silu_and_mul computes in bfloat16 (F.silu's result rounded
-// to bfloat16, then the product rounded): kernels/cpu.py gets bfloat16 gate/up rows from its bfloat16
-// products and hands this row straight to the down projection's, with no float32 copy either side.
-inline void silu_and_mul_row_bf16(const uint16_t* gate, const uint16_t* up, int64_t d, uint16_t* o) {
+// silu(x[..., :d]) * x[..., d:] for one row, as reference.silu_and_mul computes it in T: F.silu's result
+// rounded to T, then the product (nothing to round in float32). In bfloat16 for kernels/cpu.py's bfloat16
+// gate/up products, whose rows go on to the down product's with no float32 copy either side.
+template <typename T>
+inline void silu_and_mul_row(const T* gate, const T* up, int64_t d, T* o) {
   int64_t i = 0;
 #ifdef PAGEDSERVE_AVX2
   const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
   for (; i + 8 <= d; i += 8) {
-    const __m256 g = load_bf16x8(gate + i);
+    const __m256 g = load8(gate + i);
     const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, pagedserve::exp256(_mm256_sub_ps(zero, g))));
-    store_bf16x8(o + i, _mm256_mul_ps(round_bf16(sig), load_bf16x8(up + i)));
+    store8(o + i, _mm256_mul_ps(round8<T>(sig), load8(up + i)));
   }
 #endif
   for (; i < d; ++i) {
-    const float g = from_bf16(gate[i]);
-    o[i] = to_bf16(from_bf16(to_bf16(g / (1.f + std::exp(-g)))) * from_bf16(up[i]));
+    const float g = to_float(gate[i]);
+    o[i] = from_float<T>(to_float(from_float<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
   }
 }
 
@@ -164,8 +172,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     for (int64_t r = begin; r < end; ++r) {
       if (bf16) {
         const auto* gate = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()) + r * width;
-        auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * d;
-        silu_and_mul_row_bf16(gate, gate + d, d, o);
+        silu_and_mul_row(gate, gate + d, d, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * d);
       } else {
         const float* gate = input.data_ptr<float>() + r * width;
         silu_and_mul_row(gate, gate + d, d, out.data_ptr<float>() + r * d);
