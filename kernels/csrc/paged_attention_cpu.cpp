@@ -12,8 +12,9 @@
 // An FP8 cache (float8_e4m3fn, kv_cache_dtype="fp8") is read as cache * scale, as in kernels/reference.py:
 // each block's visible rows are widened to float32 once, into a per-thread buffer that stays in L1, and
 // every query head of the group reads them there (AVX2 has no FP8: three integer ops and F16C's float16
-// widening per eight values, see widen16); k_scale joins the score scale and v_scale multiplies the output. Widening as the rows are
-// loaded instead would redo it for each head of a GQA group: that measured 3x slower than float32.
+// widening per eight values, see widen16); k_scale joins the score scale and v_scale multiplies the
+// output. Widening as the rows are loaded instead would redo it for each head of a GQA group: that
+// measured 3x slower than float32.
 //
 // Registered as torch.ops.pagedserve.paged_attention_decode; kernels/cpu.py builds it.
 #include <ATen/ATen.h>
