@@ -105,9 +105,9 @@ def _has_avx512_vnni() -> bool:
     return bool(check()) if check is not None else False
 
 
-def _native(*tensors: torch.Tensor) -> Any | None:
-    """The compiled ops when every tensor is float32 on the CPU, else ``None``."""
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+def _native(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Any | None:
+    """The compiled ops when every tensor is on the CPU in one of ``dtypes``, else ``None``."""
+    if all(t.dtype in dtypes and t.device.type == "cpu" for t in tensors):
         return load_extension()
     return None
 
@@ -170,7 +170,7 @@ def apply_rotary(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Same contract as ``reference.silu_and_mul``, in float32 or bfloat16: the bfloat16 gate/up rows of
     ``dense_bf16_matmul`` go to the down projection's as bfloat16, with no float32 copy in between."""
-    ops = load_extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    ops = _native(x, dtypes=(torch.float32, torch.bfloat16))
     return reference.silu_and_mul(x) if ops is None else ops.silu_and_mul(x)
 
 

@@ -146,13 +146,17 @@ class Linear(nn.Module):
         next step takes it as it is and ends in another projection of the same method (GatedMLP in
         server/models/decoder.py): a float32 copy there would be rounded back to bfloat16 anyway."""
         if self.parallel == "row":
-            # The bias once, after the sum: each rank's partial product has none.
-            y = all_reduce(self.method.apply(self, x, None).to(self.dtype), self.tp)
+            # The bias once, after the sum (in the model dtype): each rank's partial product has none.
+            y = all_reduce(self._in_model_dtype(self.method.apply(self, x, None)), self.tp)
             return y if self.bias is None else y + self.bias
         y = self.method.apply(self, x, self.bias)
         if self.lora is not None or not keep_product_dtype:
-            y = y.to(self.dtype)  # LoRA's deltas add to the model dtype's output, as peft's do
+            y = self._in_model_dtype(y)  # LoRA's deltas add to the model dtype's output, as peft's do
         return y if self.lora is None else self.lora.apply(x, y)
+
+    def _in_model_dtype(self, y: torch.Tensor) -> torch.Tensor:
+        # Checked here, not left to .to(): most products already are, and this runs per layer per step.
+        return y if y.dtype == self.dtype else y.to(self.dtype)
 
     def checkpoint_piece(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
         """(dim, start, size) of checkpoint tensor ``name`` of projection ``shard`` that this rank holds,
