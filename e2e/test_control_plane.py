@@ -309,6 +309,10 @@ def test_spec_edit_rolls_the_engine_deployment(cluster: Cluster, served: str) ->
         lambda: condition(cluster.get("md", pods.NAME, "-n", NAMESPACE), "Ready") == "True", 60, "Ready"
     )
     assert md["status"]["readyReplicas"] == 1
+    # The router reads the EndpointSlice, which follows the new pod's readiness a moment later: asked
+    # before that, the router has no ready backend (a 503 in one CI run).
+    new_ips = {p["status"]["podIP"] for p in cluster.ready_pods(NAMESPACE, ENGINE)}
+    wait_until(lambda: engine_slice_addresses(cluster) == new_ips, 30, "the new engine in the EndpointSlice")
     assert DEMO_ANSWER in pods.ask_demo_question(router_url(cluster))
 
 
