@@ -36,6 +36,13 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def dot_dim(n: int) -> int:
+    """A tile width for a dimension that a ``tl.dot`` contracts or produces: a power of two, and at least
+    16, the smallest a GPU's tensor cores take (head_dim 8 compiles in the interpreter, not on a GPU).
+    The kernels mask the padded lanes, so a model of any head size runs."""
+    return max(16, next_pow2(n))
+
+
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` tensor whose last dimension is contiguous (no copy if possible)."""
     x2 = x.reshape(-1, x.shape[-1])

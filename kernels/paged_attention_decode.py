@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import fp8_kv_scales, next_pow2, num_sms, softcap_scores
+from ._triton_utils import dot_dim, fp8_kv_scales, next_pow2, num_sms, softcap_scores
 
 LOG2E = 1.4426950408889634
 # Tunables (module-level so that benchmarks can sweep them).
@@ -164,7 +164,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         part_stats = torch.empty((2, num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_stats = out
-    block_d = next_pow2(head_dim)
+    block_d = dot_dim(head_dim)
     fp8, k_scale, v_scale = fp8_kv_scales(k_cache, k_scale, v_scale)
     window = NO_WINDOW if sliding_window is None else sliding_window
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -174,7 +174,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads, partition, window,
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=dot_dim(group),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=logit_softcap is not None,
         FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES,

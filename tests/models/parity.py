@@ -25,6 +25,16 @@ from pagedserve.testing.tiny_models import TINY, TINY_VOCAB, random_hf_model, ti
 
 __all__ = ["TINY", "TINY_VOCAB", "random_hf_model", "tiny_checkpoint"]
 
+# The engine's backends a family is checked on: the torch references and the C++ kernels on the CPU,
+# the Triton kernels on a GPU (float32 there too, against the same HF model on the CPU).
+BACKENDS = [
+    "torch",
+    "cpu",
+    pytest.param("triton", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs CUDA")]),
+]
+BACKEND_DEVICE = {"triton": "cuda"}
+
 
 def checkpoint_fixture(cases: dict[str, Callable[[], Any]], name: str):
     """A module-scoped fixture ``name`` over ``cases`` (case name -> config factory): one
@@ -89,7 +99,7 @@ def llm_greedy(
     how many prompt tokens the prefix cache served."""
     args = dict(
         dtype="float32",
-        device="cpu",
+        device=BACKEND_DEVICE.get(backend, "cpu"),
         attention_backend=backend,
         block_size=8,
         max_num_batched_tokens=16,  # prompts run in chunks

@@ -9,7 +9,7 @@ LongRoPE's original context.
 from __future__ import annotations
 
 import pytest
-from parity import TINY, assert_greedy_parity, checkpoint_fixture, shared_prefix_prompts
+from parity import BACKENDS, TINY, assert_greedy_parity, checkpoint_fixture, shared_prefix_prompts
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
@@ -118,7 +118,7 @@ MAX_TOKENS = {"phi3-longrope": 12, "mistral-window": 10}
 family = checkpoint_fixture(CASES, "family")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_matches_hf(family, backend):
     name, hf, path = family
     assert_greedy_parity(hf, path, backend, rounds=ROUNDS.get(name), max_tokens=MAX_TOKENS.get(name, 8))

@@ -16,7 +16,7 @@ from pagedserve.server.layers.fused_moe import FusedMoE
 from pagedserve.server.loader import load_model
 from pagedserve.server.models.decoder import GatedMLP
 from pagedserve.server.models.registry import build_model
-from parity import TINY, assert_greedy_parity, checkpoint_fixture, random_hf_model
+from parity import BACKENDS, TINY, assert_greedy_parity, checkpoint_fixture, random_hf_model
 from test_models import assert_matches_hf, backend_on_cpu, random_prompts
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
@@ -53,7 +53,7 @@ CASES = {
 moe_family = checkpoint_fixture(CASES, "moe_family")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_matches_hf(moe_family, backend):
     _, hf, path = moe_family
     assert_greedy_parity(hf, path, backend)
