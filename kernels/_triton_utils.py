@@ -84,13 +84,16 @@ def saturate_round_e4m3(x):
     the final cast is exact whatever rounding the cast itself does (Triton's CPU interpreter rounds
     ties away from zero and loses the carry into the exponent)."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    # Normal range: keep 3 of float32's 23 mantissa bits, ties to even (a carry moves the exponent on).
+    # The magnitude is rounded and the sign put back with integer ops: a float negation or select of a
+    # zero may lose -0's sign to the compiler, and the reference stores -0 as 0x80.
     bits = x.to(tl.int32, bitcast=True)
-    negative = bits < 0  # the sign bit: -0.0 included
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # -0x100000 = 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
+    sign = bits & -0x80000000  # 0x80000000
+    magnitude = bits & 0x7FFFFFFF
+    # Normal range: keep 3 of float32's 23 mantissa bits, ties to even (a carry moves the exponent on).
+    normal = (magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) & -0x100000  # -0x100000 = 0xFFF00000
     # Below 2**-6 e4m3 is subnormal, a fixed step of 2**-9: 24576 = 1.5 * 2**14 has exactly that ulp,
-    # so adding and subtracting it rounds to the step, ties to even; the sign is put back for -0.
-    step = tl.abs((x + 24576.0) - 24576.0)
-    subnormal = tl.where(negative, -step, step)
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    # so adding and subtracting it rounds to the step, ties to even.
+    absolute = magnitude.to(tl.float32, bitcast=True)
+    subnormal = ((absolute + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    rounded = tl.where(absolute < 0.015625, subnormal, normal)
+    return (rounded | sign).to(tl.float32, bitcast=True)

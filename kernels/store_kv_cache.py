@@ -31,9 +31,9 @@ def _store_kv_cache_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
-    if FP8:
-        k = saturate_round_e4m3(k.to(tl.float32) / tl.load(k_scale_ptr))
-        v = saturate_round_e4m3(v.to(tl.float32) / tl.load(v_scale_ptr))
+    if FP8:  # div_rn: Triton's `/` is PTX's approximate div.full.f32, which moves ties off the reference's
+        k = saturate_round_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)))
+        v = saturate_round_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

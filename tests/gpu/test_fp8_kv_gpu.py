@@ -3,13 +3,14 @@ a decode graph replayed after the scales change, and the engine with ``kv_cache_
 
 Kernels: the store writes the reference's bytes exactly (in every q dtype); attention is held to
 test_kernels_gpu.py's per-dtype tolerances against the reference run in fp32 on the same FP8 cache, and
-to QUANTIZATION_ATOL (tests/kernels/test_fp8_kv.py) against the unquantized cache.
+against the unquantized cache to the reference's own FP8 error plus its dtype's tolerance: the kernel adds
+no error of its own to the cache's rounding (whose bound tests/kernels/test_fp8_kv.py checks on CPU).
 """
 
 import pagedserve.kernels as triton_kernels
 import pytest
 import torch
-from gpu_helpers import GPU, engine_greedy, prompts
+from gpu_helpers import GPU, MODELS, engine_greedy, prompts, random_model
 from pagedserve.kernels import reference
 from pagedserve.kernels.testing import fp8_paged_case, hide_blocks_outside_window, make_paged_case
 
@@ -19,7 +20,6 @@ FP8 = torch.float8_e4m3fn
 CUDA = torch.device("cuda")
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (1e-4, 1e-4)}
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in TOLERANCE]
-QUANTIZATION_ATOL = 0.16
 K_SCALE, V_SCALE = 0.05, 0.02
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 CONTEXTS = [1, 64, 1500, 700, 8000, 300, 97]
@@ -46,8 +46,11 @@ def test_store_writes_the_reference_bytes(dtype):
               for _ in range(4)]
     reference.store_kv_cache(k, v, caches[0], caches[1], slots, *scales)
     triton_kernels.store_kv_cache(k, v, caches[2], caches[3], slots, *scales)
-    assert torch.equal(caches[2].view(torch.uint8), caches[0].view(torch.uint8))
-    assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
+    for name, ours, expected in (("k", caches[2], caches[0]), ("v", caches[3], caches[1])):
+        ours, expected = ours.view(torch.uint8), expected.view(torch.uint8)
+        differ = (ours != expected).nonzero()
+        examples = [(tuple(i.tolist()), int(ours[tuple(i)]), int(expected[tuple(i)])) for i in differ[:5]]
+        assert len(differ) == 0, f"{name}: {len(differ)} bytes differ, (index, ours, reference): {examples}"
 
 
 def fp8_case(dtype, sliding_window=None, q_lens=None):
@@ -74,9 +77,13 @@ def test_attention_on_fp8_cache(dtype, sliding_window, logit_softcap):
             q, name = case.q_prefill, "paged_attention_prefill"
         kernel, ref = getattr(triton_kernels, name), getattr(reference, name)
         out = kernel(q, fp8.k_cache, fp8.v_cache, *rest, **variant, **scales)
-        assert_close(out, ref(q.float(), fp8.k_cache, fp8.v_cache, *rest, **variant, **scales), dtype)
+        on_fp8 = ref(q.float(), fp8.k_cache, fp8.v_cache, *rest, **variant, **scales)
+        assert_close(out, on_fp8, dtype)
+        # The cache's own rounding grows with the largest |V| of the case (a one-token context returns
+        # its V row): 0.17-0.18 here, 11M CUDA-random values, against at most 0.112 in the CPU test's.
         unquantized = ref(q.float(), case.k_cache.float(), case.v_cache.float(), *rest, **variant)
-        assert (out.float() - unquantized).abs().max().item() <= QUANTIZATION_ATOL
+        rounding = (on_fp8 - unquantized).abs().max().item()
+        assert (out.float() - unquantized).abs().max().item() <= rounding + TOLERANCE[dtype][0]
 
 
 def test_decode_graph_reads_scales_set_after_capture():
@@ -107,9 +114,11 @@ ENGINE = {"kv_cache_memory_bytes": 1 << 30, "max_num_batched_tokens": 256, "seed
 def test_engine_fp8_cache_doubles_the_bf16_blocks():
     from pagedserve import LLM
 
+    shape, overrides = MODELS["smollm2-shape"]  # the embedded model's shape; its package is not on a GPU box
+    model = str(random_model.cached_random_model(shape, **overrides))
     blocks = {}
     for kv_cache_dtype in ("auto", "fp8"):
-        llm = LLM(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **ENGINE)
+        llm = LLM(model=model, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **ENGINE)
         blocks[kv_cache_dtype] = llm.engine.core.num_blocks
         assert llm.engine.core.backend.name == "triton"
         del llm
