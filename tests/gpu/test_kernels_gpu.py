@@ -14,6 +14,7 @@ import torch
 from gpu_helpers import GPU
 from pagedserve.kernels import reference
 from pagedserve.kernels.testing import hide_blocks_outside_window, make_paged_case
+from transformers import LlamaConfig
 
 pytestmark = GPU
 
@@ -180,7 +181,10 @@ def test_norms(hidden, dtype):
 def test_apply_rotary(num_heads, num_kv_heads, head_dim, dtype):
     num_tokens = 1000
     rotary = importlib.import_module("pagedserve.server.layers.rotary")
-    cache = rotary.build_cos_sin_cache(head_dim, 8192, {"rope_type": "default", "rope_theta": 500000.0}, CUDA)
+    config = LlamaConfig(hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=8192,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    cache = rotary.build_cos_sin_cache(config, head_dim, 8192).to(CUDA)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=CUDA, dtype=dtype)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads,
