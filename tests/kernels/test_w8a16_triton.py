@@ -6,6 +6,8 @@ Acceptance: max abs error <= 1e-3 of the output's magnitude in fp32, 2e-2 in fp1
 the interpreter computes bf16 ``tl.dot`` wrongly). Shapes are small: the interpreter is slow.
 """
 
+import importlib
+
 import pytest
 
 pytest.importorskip("triton")
@@ -23,15 +25,22 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 # rows: one, a partial tile, more than one BLOCK_M tile; n, k: tails of BLOCK_N / BLOCK_K and whole tiles.
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 70, 96), (5, 64, 64), (70, 30, 130)])
+# Up to split_k.ROWS rows take the split-K launch: (3, 40, 600) and (16, 40, 600) split K three ways, the
+# last split a partial step.
+@pytest.mark.parametrize(("m", "n", "k"),
+                         [(1, 70, 96), (5, 64, 64), (70, 30, 130), (3, 40, 600), (16, 40, 600)])
 def test_w8a16_matmul_matches_reference(m, n, k, bias, dtype):
-    from pagedserve.kernels.w8a16_matmul import w8a16_matmul
+    w8a16 = importlib.import_module("pagedserve.kernels.w8a16_matmul")  # the package exports the function
+    w8a16_matmul = w8a16.w8a16_matmul
+    split_k = importlib.import_module("pagedserve.kernels.split_k")
 
     gen = torch.Generator().manual_seed(m * n + k)
     weight, scale = quantize_per_channel(torch.randn(n, k, generator=gen) * 0.05)
     x = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     expected = reference.w8a16_matmul(x.float(), weight, scale, None if b is None else b.float())
+    if m <= split_k.ROWS and k == 600:
+        assert split_k.plan(n, k, w8a16.GEMV_BLOCK_N, w8a16.GEMV_BLOCK_K, x.device)[0] == 3
     actual = w8a16_matmul(x, weight, scale, b)
     assert actual.shape == (m, n) and actual.dtype == dtype
     error = (actual.float() - expected).abs().max().item()
