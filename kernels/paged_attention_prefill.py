@@ -13,14 +13,15 @@ An FP8 cache is read as ``cache * scale`` as in kernels/paged_attention_decode.p
 query's dtype, ``k_scale`` in the score scale, ``v_scale`` on the output.
 
 With a sliding window a query tile's key loop starts at its first query's first visible key, so a
-chunk late in a long prompt costs its window, not its whole context.
+chunk late in a long prompt costs its window, not its whole context. Only the key tiles that some of a
+query tile's queries must not see (the causal diagonal, a window's edge, the end) compute a mask.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import fp8_kv_scales, next_pow2, softcap_scores
+from ._triton_utils import dot_dim, fp8_kv_scales, softcap_scores
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query tokens per program
@@ -28,6 +29,55 @@ BLOCK_N = 64  # context tokens per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
 NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any context
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head_offset, tile, q_pos, kv_end,
+    qk_scale, softcap, window, stride_cb, stride_cs, d,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One online-softmax step over keys ``tile .. tile + BLOCK_N``. ``MASKED`` tiles hold keys past the
+    end, or keys some of the tile's queries must not see (the causal diagonal, a window's edge); the
+    others are read and used whole, with no mask to compute."""
+    n = tile + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < kv_end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
+    offs = block * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
+    kv_ptrs = offs[:, None] + d[None, :]
+    if MASKED:
+        kv_mask = n_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_ptrs)
+    if FP8:  # e4m3 values are exact in every q dtype; the scale is in qk_scale
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        s = softcap_scores(s, softcap)
+    if MASKED:
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_ptrs)
+    if FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -41,8 +91,10 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, FP8: tl.constexpr,
 ):
-    tile_id = tl.program_id(0)
-    head = tl.program_id(1)
+    # Heads vary fastest in launch order: the GROUP query heads that read one KV head's keys run side by
+    # side and share them in L2.
+    head = tl.program_id(0)
+    tile_id = tl.program_id(1)
     kv_head = head // GROUP
 
     # The last sequence whose first tile number is <= tile_id.
@@ -58,7 +110,12 @@ def _prefill_kernel(
     q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
     q_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32) - q_start
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    first_query = (tile_id - (q_start // BLOCK_M + seq)) * BLOCK_M
+    # A chunk's last query tile sees the most keys: its programs take the chunk's first tile numbers, so
+    # the longest work starts first and the short tiles fill in at the end. Numbers past the chunk's
+    # tiles (the layout reserves one spare per sequence) get first_query = q_len: nothing to do.
+    local = tile_id - (q_start // BLOCK_M + seq)
+    num_tiles = tl.cdiv(q_len, BLOCK_M)
+    first_query = tl.where(local < num_tiles, (num_tiles - 1 - local) * BLOCK_M, q_len)
 
     m_idx = first_query + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -69,10 +126,17 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=m_mask[:, None] & dmask[None, :], other=0.0)
     # Keys up to the tile's last query; none at all for a tile past the end of its chunk.
-    last_query = tl.minimum(first_query + BLOCK_M, q_len)
-    kv_end = tl.where(first_query < q_len, context_len - q_len + last_query, 0)
+    first_pos = context_len - q_len + first_query
+    last_pos = context_len - q_len + tl.minimum(first_query + BLOCK_M, q_len) - 1
+    kv_end = tl.where(first_query < q_len, last_pos + 1, 0)
     # HF's sliding window, kv_idx > q_idx - window: nothing before the tile's first query's window.
-    kv_start = tl.maximum(context_len - q_len + first_query - window + 1, 0)
+    kv_start = tl.maximum(first_pos - window + 1, 0)
+    # Keys every query of the tile sees: after the last query's window start, up to the first query.
+    # Whole BLOCK_N tiles of them, from the first tile boundary past the window's edge, need no mask;
+    # the tiles before (the window's edge) and after (the diagonal) are masked.
+    full_start = tl.minimum(
+        kv_start + tl.cdiv(tl.maximum(last_pos - window + 1 - kv_start, 0), BLOCK_N) * BLOCK_N, kv_end)
+    full_end = full_start + tl.maximum(tl.minimum(first_pos + 1, kv_end) - full_start, 0) // BLOCK_N * BLOCK_N
 
     if FP8:  # the cache holds K / k_scale and V / v_scale: both scales apply once, outside the loop
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -81,29 +145,21 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_offset = kv_head.to(tl.int64) * stride_ch
-    for tile in range(kv_start, kv_end, BLOCK_N):
-        n = tile + tl.arange(0, BLOCK_N)
-        n_mask = n < kv_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offs = block * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
-        kv_mask = n_mask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:  # e4m3 values are exact in every q dtype; the scale is in qk_scale
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:
-            s = softcap_scores(s, softcap)
-        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    for tile in range(kv_start, full_start, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head_offset, tile, q_pos, kv_end,
+            qk_scale, softcap, window, stride_cb, stride_cs, d,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP, FP8, True)
+    for tile in range(full_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head_offset, tile, q_pos, kv_end,
+            qk_scale, softcap, window, stride_cb, stride_cs, d,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP, FP8, False)
+    for tile in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head_offset, tile, q_pos, kv_end,
+            qk_scale, softcap, window, stride_cb, stride_cs, d,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PRECISION, SOFTCAP, FP8, True)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if FP8:
@@ -138,7 +194,7 @@ def paged_attention_prefill(
     if num_tokens == 0 or num_seqs == 0:
         return out
     fp8, k_scale, v_scale = fp8_kv_scales(k_cache, k_scale, v_scale)
-    grid = (num_tokens // BLOCK_M + num_seqs, num_heads)
+    grid = (num_heads, num_tokens // BLOCK_M + num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         k_scale, v_scale, scale * LOG2E, (logit_softcap or 1.0) * LOG2E,
@@ -146,7 +202,7 @@ def paged_attention_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_seqs, NO_WINDOW if sliding_window is None else sliding_window,
         HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_D=next_pow2(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        BLOCK_N=BLOCK_N, BLOCK_D=dot_dim(head_dim), SEARCH_STEPS=max(1, num_seqs.bit_length()),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=logit_softcap is not None,
         FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
