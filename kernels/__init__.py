@@ -20,12 +20,14 @@ KERNELS = (
     "fused_moe",
     "w8a16_matmul",
     "gguf_matmul",
+    "fp8_matmul",
     "lora_shrink",
     "lora_expand",
 )
 
 try:
     from .apply_rotary import apply_rotary
+    from .fp8_matmul import fp8_matmul
     from .fused_moe import fused_moe
     from .gguf_matmul import gguf_matmul
     from .lora import lora_expand, lora_shrink
@@ -51,6 +53,7 @@ except ImportError as exc:  # no triton on this platform
 __all__ = [
     "KERNELS",
     "apply_rotary",
+    "fp8_matmul",
     "fused_add_rms_norm",
     "fused_moe",
     "gguf_matmul",

@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from .reference import paged_attention_prefill, store_kv_cache
+from .reference import fp8_matmul, paged_attention_prefill, store_kv_cache
 
 __all__ = [
     "apply_rotary",
+    "fp8_matmul",
     "fused_add_rms_norm",
     "fused_moe",
     "gguf_dense_weight",

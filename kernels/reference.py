@@ -338,6 +338,29 @@ def w8a16_matmul(
     return out if bias is None else out + bias.to(x.dtype)
 
 
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float ``[M, K]`` -> (e4m3 ``[M, K]``, float32 scale ``[M]``): each row divided by ``max|row| / 448``,
+    rounded to nearest even. The weights' per-output-channel quantization at load, and the activations'
+    per-token one at run time (vLLM's dynamic FP8 scheme)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # an all-zero row stays zero
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE), scale
+
+
+def fp8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """FP8 (W8A8) matmul, vLLM's ``--quantization fp8``: ``x``'s rows quantized to e4m3 with a scale each
+    (``quantize_fp8_rows``), multiplied by the e4m3 ``weight`` ``[N, K]`` (scale ``[N]`` per output
+    channel) in float32, then both scales and the bias -> ``[..., N]`` in ``x``'s dtype. e4m3 products
+    are exact in float32, so only the summation order may differ from a GPU's FP8 tensor cores."""
+    rows, row_scale = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
+    out = (rows.float() @ weight.float().T) * row_scale[:, None] * scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 # ---- GGUF blocks: Q8_0 / Q4_0 / Q4_1 weights, int8 x int8 dot products ---------------------------------
 #
 # A weight row of K values is K / 32 blocks. ``qs`` uint8 ``[N, K / 32 * QBYTES]``: per block 32 int8 values

@@ -203,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--quantization", "-q", default=None,
-        help="weight format: int8 (weight-only, per output channel, quantized at load) or gguf (a .gguf "
+        help="weight format: int8 (weight-only, per output channel, quantized at load), fp8 (e4m3 weights "
+        "per output channel and activations per token, FP8 tensor cores on a Hopper GPU) or gguf (a .gguf "
         "model's own Q8_0/Q4_0/Q4_1 blocks); default: gguf for a .gguf model, the embedded one included, on "
         "one CPU rank, else none (the weights' own float dtype)",
     )  # fmt: skip

@@ -686,7 +686,7 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
 class VersionResponse(OpenAIBaseModel):
     version: str
     backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"
-    quantization: str | None = None  # the weights' quantization mode ("int8", "gguf"), None for none
+    quantization: str | None = None  # the weights' quantization mode ("int8", "fp8", "gguf"), None
     kv_cache_dtype: str = "auto"  # the KV cache's element type: "auto" (the model's dtype) or "fp8"
     kv_offloading_size: float | None = None  # GiB of the CPU KV tier (--kv-offloading-size); None: off
     kv_offloading_backend: str | None = None  # "native" when the tier is on

@@ -14,6 +14,10 @@ from torch import nn
 
 
 class LinearMethod(ABC):
+    # Whether the LM head (and a tied embedding, which is the head) takes this format too
+    # (server/layers/quantization/__init__.py ``quantize_linears``).
+    quantizes_head = True
+
     @abstractmethod
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
