@@ -77,3 +77,7 @@ def write_result(name: str, result: dict[str, Any], out_dir: str | None = None) 
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return path
+
+
+if __name__ == "__main__":  # run_all.sh's setup: what the run ran on, for benchmarks/gpu/report.py
+    write_result("environment", device_info())

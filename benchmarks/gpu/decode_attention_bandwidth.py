@@ -3,8 +3,8 @@
 Batch 64, context 2048, Llama-3-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16, block size 16.
 Bytes counted: the K and V of every context token (what the kernel must read), plus q, the output and
 the block tables. Also timed: the torch reference on the same inputs, the tunables of the Triton kernel
-swept (``--sweep``), the split-K effect at batch 1 and long contexts, and the prefill kernel's
-FLOP/s (with its own sweep) to tune it. The fp8 column (``triton_fp8``): the same decode on an FP8
+swept (``--sweep``), and the split-K effect at batch 1 and long contexts (the prefill kernel has its
+own benchmark: prefill_attention.py). The fp8 column (``triton_fp8``): the same decode on an FP8
 (e4m3) cache with scales, half the K/V bytes; its time against the bf16 cache's is the speed-up the
 smaller cache buys, its bandwidth the fraction of the copy bandwidth it reaches on its own bytes.
 
@@ -20,13 +20,11 @@ import itertools
 
 import torch
 from pagedserve.benchmarks.gpu.common import copy_bandwidth, cuda_time, device_info, write_result
-from pagedserve.kernels import paged_attention_decode, paged_attention_prefill, reference
+from pagedserve.kernels import paged_attention_decode, reference
 from pagedserve.kernels.testing import fp8_paged_case, make_paged_case
 
 decode_module = importlib.import_module("pagedserve.kernels.paged_attention_decode")
-prefill_module = importlib.import_module("pagedserve.kernels.paged_attention_prefill")
 TUNABLES = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM")
-PREFILL_TUNABLES = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
 
 
 def bytes_moved(case) -> int:
@@ -50,40 +48,6 @@ def fp8_column(case, copy_bw: float, bf16_seconds: float) -> dict:
     seconds = measure(fp8, k_scale=k_scale, v_scale=v_scale)
     return {"seconds": seconds, "bytes_moved": moved, "bandwidth_gbps": moved / seconds / 1e9,
             "fraction_of_copy": moved / seconds / copy_bw, "speedup_over_bf16_cache": bf16_seconds / seconds}
-
-
-def prefill(sweep: bool) -> dict:
-    """The prefill kernel (not the subject of (a), timed here to tune it): 8 prompts of 1024 tokens and
-    4 chunks of 512 after 1536 cached tokens, Llama-3-8B heads, bf16; causal attention FLOP/s."""
-    context_lens, q_lens = [1024] * 8 + [2048] * 4, [1024] * 8 + [512] * 4
-    case = make_paged_case(context_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", q_lens=q_lens)
-    args = (case.q_prefill, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
-            case.context_lens, 128**-0.5)
-    # Causal: query i of a chunk sees (context - q_len + i + 1) keys; 4 FLOPs per (query, key, dim, head).
-    pairs = sum(q * (c - q) + q * (q + 1) // 2 for c, q in zip(context_lens, q_lens, strict=True))
-    flops = 4 * pairs * 128 * 32
-
-    def timed(fn) -> float:
-        return cuda_time(lambda: fn(*args), iters=20)
-
-    out = {"flops": flops, "triton_tflops": flops / timed(paged_attention_prefill) / 1e12,
-           "torch_reference_tflops": flops / timed(reference.paged_attention_prefill) / 1e12,
-           "config": {k: getattr(prefill_module, k) for k in PREFILL_TUNABLES}}
-    if sweep:
-        defaults = dict(out["config"])
-        trials = []
-        for values in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
-            config = dict(zip(PREFILL_TUNABLES, values, strict=True))
-            for name, value in config.items():
-                setattr(prefill_module, name, value)
-            try:
-                trials.append({"config": config, "tflops": flops / timed(paged_attention_prefill) / 1e12})
-            except Exception as exc:
-                trials.append({"config": config, "error": repr(exc)[:200]})
-        for name, value in defaults.items():
-            setattr(prefill_module, name, value)
-        out["sweep_best"] = sorted((t for t in trials if "tflops" in t), key=lambda t: -t["tflops"])[:5]
-    return out
 
 
 def main() -> None:
@@ -152,7 +116,6 @@ def main() -> None:
         del long_case
         torch.cuda.empty_cache()
     result["split_k"] = long_runs
-    result["prefill"] = prefill(args.sweep)
     write_result("a_decode_attention_bandwidth", result, args.out)
 
 

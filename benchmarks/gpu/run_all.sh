@@ -4,20 +4,27 @@
 #
 #   bash benchmarks/gpu/run_all.sh [STAGE...]      # no stage: all of them, in this order
 #
-# Stages (each fits one 10-minute device call on an H100; run them as separate calls there):
-#   kernel-tests  tests/gpu/test_kernels_gpu.py: bf16/fp16/fp32 kernels at real shapes, decode in a CUDA graph;
-#                 tests/gpu/test_cuda_graphs_gpu.py: decode graphs of the model vs eager, the profiling forward
-#   engine-tests  tests/gpu/test_engine_gpu.py: greedy parity Triton vs torch reference vs HF, graphs vs eager
-#   a             decode attention bandwidth vs device-to-device copy (batch 64, context 2048, Llama-3-8B heads)
-#   bd            (b) batch-1 decode step vs roofline and (d) GPU busy share at batch 64, Llama-3-8B shape
-#   c             offline throughput vs HF Transformers, 256 prompts, Llama-3.2-1B shape
-#   decode-tests  issue 18's GPU paths: the w8a16 and GGUF-block matmuls, the FP8 KV cache, speculative
-#                 decoding (n-gram and draft model) against the fp32 oracle
-#   quant         quantized linear layers vs bf16 cuBLAS at Llama-3-8B shapes; the batch-1 decode step of
-#                 the Llama-3-8B shape in bf16, int8 weights and an FP8 KV cache, each vs its roofline
-# Every call first installs the checkout (pip install --no-deps -e .): a fresh machine has everything
-# else (torch, triton, transformers, tokenizers, safetensors, pytest). Random-weight models are built
-# under $PAGEDSERVE_RANDOM_MODELS (default /tmp/pagedserve-models) and reused while the machine lives.
+# Stages:
+#   tests   every test that runs on the GPU, in one parallel pytest (xdist, PYTEST_WORKERS, default 12):
+#           tests/gpu, the Triton kernel tests that compile for CUDA when it is there, the sampler's CUDA
+#           path, and every model family on the Triton backend against HF. Each test has a time limit
+#           (PYTEST_TIMEOUT, default 300 s) so a hang is named, not waited out, and the run a deadline
+#           (PYTEST_DEADLINE, default 540 s) within one 10-minute device call. Its JUnit XML, and a summary
+#           with each failure's name and first error lines, land in $OUT whatever happens.
+#   kernels each Triton kernel's max error against its fp32 reference at real shapes; prefill attention
+#           FLOP/s beside torch's FlashAttention (with a sweep of its tiles); the quantized linear layers
+#           against bf16 cuBLAS at Llama-3-8B's shapes, 1 to 1024 rows (with a sweep of the split-K tiles)
+#   steps   the batch-1 decode step of the Llama-3-8B shape in bf16, int8 weights, FP8 weights and with an
+#           FP8 KV cache (STEP_MODES="bf16 int8 fp8 kv-fp8"), each against its roofline
+#   a       decode attention bandwidth vs device-to-device copy (batch 64, context 2048, Llama-3-8B heads)
+#   bd      (b) batch-1 decode step vs roofline and (d) GPU busy share at batch 64, Llama-3-8B shape
+#   c       offline throughput vs HF Transformers, 256 prompts, Llama-3.2-1B shape
+#   report  benchmarks/results/gpu.json and benchmarks/gpu/README.md's table from the JSON in $OUT (also
+#           runs without a GPU, on results fetched from one: python -m pagedserve.benchmarks.gpu.report DIR)
+# Every call first installs the checkout (pip install --no-deps -e .): a fresh machine has torch, triton,
+# transformers, tokenizers, safetensors and pytest-xdist; the server's other packages travel as wheels.
+# Random-weight models are built under $PAGEDSERVE_RANDOM_MODELS (default /tmp/pagedserve-models) and
+# reused while the machine lives.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONSAFEPATH=1  # `python -m` from here: ./operator must not shadow the stdlib module
@@ -36,48 +43,68 @@ run() {  # run a command, its output to the terminal and the log; remember a fai
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { log "FAILED ($rc): $*"; status=1; }
 }
+# Every test that runs on a GPU. The model-family modules also hold the CPU backends' cases, which
+# `make test` runs: -k keeps only their Triton ones. The *_under_the_interpreter tests are CPU tests
+# (Triton's interpreter in a child pytest, which the CPU suites run): triton 3.6's interpreter on the GPU
+# image fails there under numpy 2.5 ("only 0-dimensional arrays can be converted to Python scalars",
+# triton/runtime/interpreter.py's __index__), which the CPU machines' triton 3.9 does not.
+GPU_TESTS=(tests/gpu tests/kernels/test_fp8_kv_triton.py tests/kernels/test_fused_moe_triton.py
+  tests/kernels/test_gguf_triton.py tests/kernels/test_w8a16_triton.py tests/kernels/test_lora_kernels.py
+  tests/engine/test_sampler.py tests/models/test_families.py tests/models/test_moe_models.py)
+GPU_TESTS_FILTER="(triton or not (test_families or test_moe_models)) and not under_the_interpreter"
+pytest_stage() {  # NAME PYTEST-ARGS...: one pytest run with its JUnit XML and failures summarised
+  local name=$1; shift
+  # SIGINT at the deadline: pytest stops as on Ctrl-C and still writes its JUnit XML of what ran.
+  run timeout -s INT -k 30 "${PYTEST_DEADLINE:-540}" $PY -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    --durations=25 --timeout "${PYTEST_TIMEOUT:-300}" --junitxml "$OUT/$name.xml" "$@"
+  if [ -f "$OUT/$name.xml" ]; then
+    $PY -m pagedserve.benchmarks.gpu.junit_summary "$name" "$OUT/$name.xml" | tee -a "$LOG" "$OUT/summary.txt"
+  else
+    log "stage $name wrote no JUnit XML" | tee -a "$OUT/summary.txt"
+  fi
+}
 
 log "setup"
 if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1 where the checkout is already installed
   $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG"
 fi
-run $PY - <<'PYEOF'
-import torch, triton, transformers
-print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)
-print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
-PYEOF
+run $PY -m pagedserve.benchmarks.gpu.common  # $OUT/environment.json: GPU, torch, triton
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(kernel-tests engine-tests decode-tests a bd c quant)
+[ ${#stages[@]} -gt 0 ] || stages=(tests kernels steps a bd c report)
 for stage in "${stages[@]}"; do
   log "stage $stage"
   case "$stage" in
-    kernel-tests)
-      run $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
-        --junitxml "$OUT/kernel_tests.xml" ;;
-    engine-tests)
-      run $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_engine_gpu.py --junitxml "$OUT/engine_tests.xml" ;;
+    tests)
+      pytest_stage tests -n "${PYTEST_WORKERS:-12}" --dist worksteal "${GPU_TESTS[@]}" -k "$GPU_TESTS_FILTER" ;;
+    kernels)
+      run $PY -m pagedserve.benchmarks.gpu.kernel_errors --out "$OUT"
+      run $PY -m pagedserve.benchmarks.gpu.prefill_attention --sweep --out "$OUT"
+      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --sweep --out "$OUT" ;;
+    steps)
+      run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
+      for mode in ${STEP_MODES:-bf16 int8 fp8 kv-fp8}; do
+        case "$mode" in
+          bf16) args=() ;;
+          int8 | fp8) args=(--quantization "$mode") ;;
+          kv-fp8) args=(--kv-cache-dtype fp8) ;;
+          *) log "unknown step mode $mode"; status=2; continue ;;
+        esac
+        run $PY -m pagedserve.benchmarks.gpu.engine_decode --model "$MODELS/llama3-8b" --skip-busy-share \
+          --new-tokens "${STEP_TOKENS:-64}" "${args[@]}" --out "$OUT"
+      done ;;
     a)
       run $PY -m pagedserve.benchmarks.gpu.decode_attention_bandwidth --sweep --out "$OUT" ;;
     bd)
       run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
       run $PY -m pagedserve.benchmarks.gpu.engine_decode --model "$MODELS/llama3-8b" --out "$OUT" ;;
-    decode-tests)
-      run $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_w8a16_gpu.py tests/gpu/test_gguf_gpu.py \
-        tests/gpu/test_fp8_kv_gpu.py tests/gpu/test_spec_decode_gpu.py --junitxml "$OUT/decode_tests.xml" ;;
-    quant)
-      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --out "$OUT"
-      run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
-      for mode in "" "--quantization int8" "--kv-cache-dtype fp8"; do
-        # shellcheck disable=SC2086  # $mode is zero or two words
-        run $PY -m pagedserve.benchmarks.gpu.engine_decode --model "$MODELS/llama3-8b" --skip-busy-share \
-          $mode --out "$OUT"
-      done ;;
     c)
       run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3.2-1b --out "$MODELS/llama3.2-1b"
       run $PY -m pagedserve.cli bench throughput --model "$MODELS/llama3.2-1b" --num-prompts 256 \
         --compare hf --hf-batch-size 32 --device cuda --dtype bfloat16 \
         --result-json "$OUT/c_throughput_vs_hf.json" ;;
+    report)
+      run $PY -m pagedserve.benchmarks.gpu.report "$OUT" ;;
     *)
       log "unknown stage $stage"; status=2 ;;
   esac
