@@ -5,8 +5,7 @@ The layout is kernels/reference.py's (``qs`` uint8 ``[N, K/32 * QBYTES]``, float
 ``BLOCK_N`` x 32 slice of blocks per step along K, dequantizes it in registers (nibbles or int8 bytes
 times the block's scale, plus the offset) and accumulates ``tl.dot`` in float32. So it equals the
 reference's dequantized product (``reference.dequantize_gguf``), not its activation quantization: the
-int8 activation blocks are the CPU kernel's way to use integer dot products. Up to ``split_k.ROWS`` rows
-(decode) a program takes several blocks per step and K is split across programs (kernels/split_k.py).
+int8 activation blocks are the CPU kernel's way to use integer dot products.
 """
 
 from __future__ import annotations
@@ -15,67 +14,50 @@ import torch
 import triton
 import triton.language as tl
 
-from . import split_k
 from ._triton_utils import next_pow2
 from .reference import GGUF_BLOCK, GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0, GGUF_QBYTES
 
 BLOCK_M_MAX = 64
 BLOCK_N = 64
 NUM_WARPS = 4
-# The split-K launch (decode rows): narrower column tiles, several 32-value blocks per step.
-GEMV_BLOCK_N = 32
-GEMV_STEP_BLOCKS = 8
-GEMV_WARPS = 4
-GEMV_STAGES = 3
 
 
 @triton.jit
 def _gguf_kernel(
-    x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, blocks_per_split,
+    x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, out_ptr,
+    M, N, K,
     stride_xm, stride_qn, stride_om,
-    QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_BLOCKS: tl.constexpr,
+    QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    ks = tl.arange(0, 32 * STEP_BLOCKS)
-    step_block, within = ks // 32, ks % 32  # each value's block within the step, its place in the block
+    ks = tl.arange(0, 32)
     row_ok, col_ok = rows < M, cols < N
     nb = K // 32
-    b_start = split * blocks_per_split
-    b_end = tl.minimum(b_start + blocks_per_split, nb)
-    base = qs_ptr + cols[None, :].to(tl.int64) * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b0 in range(b_start, b_end, STEP_BLOCKS):
-        b = b0 + step_block
-        k_ok = b < b_end
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (b * 32 + within)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    for b in range(0, nb):
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + b * 32 + ks[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        base = qs_ptr + cols[None, :].to(tl.int64) * stride_qn
         if QTYPE == 8:  # Q8_0: 32 int8 bytes per block
-            q = tl.load(base + (b * 32 + within)[:, None], mask=w_ok, other=0).to(tl.int8, bitcast=True)
+            q = tl.load(base + b * 32 + ks[:, None], mask=col_ok[None, :], other=0).to(tl.int8, bitcast=True)
             w = q.to(tl.float32)
         else:  # Q4: byte j % 16 of the block, its low nibble for values 0..15, its high one for 16..31
-            byte = tl.load(base + (b * 16 + within % 16)[:, None], mask=w_ok, other=0).to(tl.int32)
-            w = tl.where(within[:, None] < 16, byte & 0x0F, byte >> 4).to(tl.float32)
-        scale_at = cols[None, :].to(tl.int64) * nb + b[:, None]
-        d = tl.load(d_ptr + scale_at, mask=w_ok, other=0.0).to(tl.float32)
-        w = w * d
+            byte = tl.load(base + b * 16 + (ks[:, None] % 16), mask=col_ok[None, :], other=0).to(tl.int32)
+            w = tl.where(ks[:, None] < 16, byte & 0x0F, byte >> 4).to(tl.float32)
+        d = tl.load(d_ptr + cols.to(tl.int64) * nb + b, mask=col_ok, other=0.0).to(tl.float32)
+        w = w * d[None, :]
         if QTYPE == 2:
-            w = w - 8.0 * d
+            w = w - 8.0 * d[None, :]
         if QTYPE == 3:
-            w = w + tl.load(m_ptr + scale_at, mask=w_ok, other=0.0).to(tl.float32)
-        acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)  # [BLOCK_M, K step] x [K step, BLOCK_N]
-    tile_ok = row_ok[:, None] & col_ok[None, :]
-    if PARTIAL:  # split_k.reduce_partials adds the bias and casts
-        tl.store(part_ptr + (split * M + rows[:, None]).to(tl.int64) * N + cols[None, :], acc, mask=tile_ok)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            m = tl.load(m_ptr + cols.to(tl.int64) * nb + b, mask=col_ok, other=0.0).to(tl.float32)
+            w = w + m[None, :]
+        acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)  # [BLOCK_M, 32] x [32, BLOCK_N]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def gguf_matmul(
@@ -98,27 +80,15 @@ def gguf_matmul(
         raise ValueError(f"GGUF blocks need K a multiple of {GGUF_BLOCK} and qs [N, K/32 * block bytes]")
     qs, scales = qs.contiguous(), scales.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if not (m and n):
-        return out.view(*x.shape[:-1], n)
-    nb = k // GGUF_BLOCK
-    if m <= split_k.ROWS:  # tl.dot needs at least 16 rows
-        block_m, block_n, step_blocks = max(16, next_pow2(m)), GEMV_BLOCK_N, GEMV_STEP_BLOCKS
-        tuning = {"num_warps": GEMV_WARPS, "num_stages": GEMV_STAGES}
-        splits, per_split = split_k.plan(n, nb, block_n, step_blocks, x.device)
-    else:
-        block_m, block_n, step_blocks = min(BLOCK_M_MAX, next_pow2(m)), BLOCK_N, 1
-        tuning = {"num_warps": NUM_WARPS}
-        splits, per_split = 1, nb
-    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    _gguf_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
-        x2, qs, scales, mins.contiguous() if mins is not None else scales,
-        bias if bias is not None else scales, out, parts,
-        m, n, k, per_split,
-        x2.stride(0), qs.stride(0), out.stride(0),
-        QTYPE=qtype, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, STEP_BLOCKS=step_blocks, **tuning,
-    )  # fmt: skip
-    if splits > 1:
-        split_k.reduce_partials(parts, None, bias, out)
+    if m and n:
+        block_m = min(BLOCK_M_MAX, max(16, next_pow2(m)))  # tl.dot needs at least 16 rows
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+        _gguf_kernel[grid](
+            x2, qs, scales, mins.contiguous() if mins is not None else scales,
+            bias if bias is not None else scales, out,
+            m, n, k,
+            x2.stride(0), qs.stride(0), out.stride(0),
+            QTYPE=qtype, HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return out.view(*x.shape[:-1], n)

@@ -10,8 +10,9 @@ graph (``common.graph_time``: no host launch cost), over rotating copies of its 
 exceed the L2 cache, as a model's layers do. Reports microseconds per call, the weights' bytes over that
 time, and each kernel's time over bf16's at the same shape and rows.
 
-``--sweep``: the split-K launch's tiles (kernels/split_k.py, the ``GEMV_*`` constants of each matmul) at
-one row on the qkv and down shapes, each configuration's output checked against the default's.
+``--sweep``: the split-K launch's tiles (kernels/split_k.py and the w8a16 matmul's ``GEMV_*``
+constants) at one row on the qkv and down shapes, each configuration's output checked against the
+default's.
 
     python -m pagedserve.benchmarks.gpu.quantized_linear [--rows 1 16 ...] [--sweep] [--out DIR]
 """
@@ -72,10 +73,6 @@ SWEEP = {
               ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_WARPS", "GEMV_STAGES", "PROGRAMS_PER_SM"),
               [(32, 256, 4, 4, 4), (64, 256, 4, 4, 4), (16, 512, 4, 4, 4), (32, 512, 4, 3, 4),
                (32, 256, 4, 4, 8), (64, 128, 4, 4, 8), (32, 256, 8, 4, 4), (128, 128, 4, 4, 2)]),
-    "gguf-Q4_1": ("pagedserve.kernels.gguf_matmul",
-                  ("GEMV_BLOCK_N", "GEMV_STEP_BLOCKS", "GEMV_WARPS", "GEMV_STAGES", "PROGRAMS_PER_SM"),
-                  [(32, 8, 4, 3, 4), (64, 8, 4, 3, 4), (32, 16, 4, 3, 4), (32, 4, 4, 4, 4), (32, 8, 4, 3, 8),
-                   (64, 4, 4, 4, 8)]),
 }
 
 

@@ -13,7 +13,8 @@
 #           with each failure's name and first error lines, land in $OUT whatever happens.
 #   kernels each Triton kernel's max error against its fp32 reference at real shapes; prefill attention
 #           FLOP/s beside torch's FlashAttention (with a sweep of its tiles); the quantized linear layers
-#           against bf16 cuBLAS at Llama-3-8B's shapes, 1 to 1024 rows (with a sweep of the split-K tiles)
+#           against bf16 cuBLAS at Llama-3-8B's shapes, 1 to 1024 rows (QUANT_ROWS; with a sweep of the
+#           split-K tiles)
 #   steps   the batch-1 decode step of the Llama-3-8B shape in bf16, int8 weights, FP8 weights and with an
 #           FP8 KV cache (STEP_MODES="bf16 int8 fp8 kv-fp8"), each against its roofline
 #   a       decode attention bandwidth vs device-to-device copy (batch 64, context 2048, Llama-3-8B heads)
@@ -78,9 +79,11 @@ for stage in "${stages[@]}"; do
     tests)
       pytest_stage tests -n "${PYTEST_WORKERS:-12}" --dist worksteal "${GPU_TESTS[@]}" -k "$GPU_TESTS_FILTER" ;;
     kernels)
-      run $PY -m pagedserve.benchmarks.gpu.kernel_errors --out "$OUT"
       run $PY -m pagedserve.benchmarks.gpu.prefill_attention --sweep --out "$OUT"
-      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --sweep --out "$OUT" ;;
+      # shellcheck disable=SC2086  # QUANT_ROWS is a list of numbers
+      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --sweep --rows ${QUANT_ROWS:-1 16 64 256 1024} \
+        --out "$OUT"
+      run $PY -m pagedserve.benchmarks.gpu.kernel_errors --out "$OUT" ;;
     steps)
       run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"
       for mode in ${STEP_MODES:-bf16 int8 fp8 kv-fp8}; do
