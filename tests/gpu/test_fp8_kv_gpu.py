@@ -122,7 +122,9 @@ def test_engine_fp8_cache_doubles_the_bf16_blocks():
         blocks[kv_cache_dtype] = llm.engine.core.num_blocks
         assert llm.engine.core.backend.name == "triton"
         del llm
-    assert blocks["fp8"] == 2 * blocks["auto"]
+    # floor(budget / (block / 2)) is 2 * floor(budget / block), plus one where the bf16 remainder holds
+    # half a block (the smollm2-shape model on an H200: 5825 against 2912).
+    assert blocks["fp8"] // 2 == blocks["auto"]
 
 
 def test_engine_fp8_triton_agrees_with_torch_reference_and_graphs_with_eager(random_model_path, monkeypatch):

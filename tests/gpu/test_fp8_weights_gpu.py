@@ -38,18 +38,21 @@ def test_fp8_matmul_matches_reference(n, k, rows, dtype):
     torch.testing.assert_close(actual.float(), expected, atol=atol * expected.abs().max().item(), rtol=rtol)
 
 
-def test_engine_fp8_follows_bf16(random_model_path, monkeypatch):
-    """FP8 rounds weights and activations to 3 mantissa bits, which moves near-ties of these random
-    models' flat logits (gpu_helpers.py); the first tokens still mostly agree with bf16's. A wrong scale or
-    layout gives unrelated tokens from the first step (agreement ~0)."""
+def test_engine_fp8_tokens_stay_related_to_bf16(random_model_path, monkeypatch):
+    """The engine serving FP8 weights on the GPU path. FP8 rounds weights and activations to 3 mantissa
+    bits, which on these random models' flat logits (gpu_helpers.py) moves most near-ties: first tokens
+    equal to bf16's measured 0.25 (smollm2 shape) and 0.31 (Llama-3-8B shape, 4 layers) of 16 prompts on an
+    H200, and 0.25 of these 48 on the CPU's torch reference against fp32 (int8 weights there: 0.62), so
+    that is the scheme, not the GPU kernel (test_fp8_matmul_matches_reference holds it to the reference).
+    A wrong scale or layout gives unrelated tokens: agreement about 1 in the vocabulary."""
     from transformers import AutoConfig
 
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
     vocab = AutoConfig.from_pretrained(random_model_path).vocab_size
-    ids = prompts(vocab, seed=5) + prompts(vocab, seed=6)
+    ids = [p for seed in range(5, 11) for p in prompts(vocab, seed=seed)]
     engine = {"kv_cache_memory_bytes": 2 << 30, "dtype": "bfloat16"}
-    plain = engine_greedy(random_model_path, ids, 4, **engine)
-    fp8 = engine_greedy(random_model_path, ids, 4, quantization="fp8", **engine)
+    plain = engine_greedy(random_model_path, ids, 1, **engine)
+    fp8 = engine_greedy(random_model_path, ids, 1, quantization="fp8", **engine)
     first_equal = sum(a[0] == b[0] for a, b in zip(plain, fp8, strict=True)) / len(ids)
-    print(f"fp8 weights vs bf16: first tokens equal {first_equal:.2f}")
-    assert first_equal >= 0.5, (plain, fp8)
+    print(f"fp8 weights vs bf16: first tokens equal {first_equal:.2f} of {len(ids)}")
+    assert first_equal >= 0.1, (plain, fp8)
