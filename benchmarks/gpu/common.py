@@ -69,13 +69,15 @@ def device_info() -> dict[str, Any]:
     }
 
 
-def write_result(name: str, result: dict[str, Any], out_dir: str | None = None) -> Path:
-    """``result`` as ``<out_dir or $OUT or benchmarks/results/gpu>/<name>.json``; printed too."""
+def write_result(name: str, result: dict[str, Any], out_dir: str | None = None, echo: bool = True) -> Path:
+    """``result`` as ``<out_dir or $OUT or benchmarks/results/gpu>/<name>.json``; printed too (``echo``).
+    A benchmark that writes as it goes leaves what it measured when a deadline cuts it."""
     folder = Path(out_dir or os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results" / "gpu")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    if echo:
+        print(json.dumps(result, indent=1))
     return path
 
 

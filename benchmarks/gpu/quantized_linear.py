@@ -118,6 +118,8 @@ def main() -> None:
     args = parser.parse_args()
     copy_bw = copy_bandwidth()
     rows_out = []
+    result = {"benchmark": "quantized linear layers vs bf16 cuBLAS, in CUDA graphs", "device": device_info(),
+              "copy_bandwidth_gbps": copy_bw / 1e9, "rows": rows_out}
     for shape, n, k in SHAPES:
         kernels = {name: rotation(name, n, k) for name in KERNELS}
         for rows in args.rows:
@@ -136,8 +138,7 @@ def main() -> None:
                       f"{nbytes / times[name] / 1e9:7.0f} GB/s  x{times[name] / times['bf16']:.2f} of bf16")
         del kernels
         torch.cuda.empty_cache()
-    result = {"benchmark": "quantized linear layers vs bf16 cuBLAS, in CUDA graphs", "device": device_info(),
-              "copy_bandwidth_gbps": copy_bw / 1e9, "rows": rows_out}
+        write_result("quantized_linear", result, args.out, echo=False)  # what a cut run has measured
     if args.sweep:
         result["split_k_sweep"] = sweep(copy_bw)
     write_result("quantized_linear", result, args.out)
