@@ -32,6 +32,16 @@ NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any co
 
 
 @triton.jit
+def _load(ptrs, mask, USE_MASK: tl.constexpr, other):
+    """``tl.load`` with ``mask`` only where it may be false: an unmasked load vectorizes and pipelines."""
+    if USE_MASK:
+        values = tl.load(ptrs, mask=mask, other=other)
+    else:
+        values = tl.load(ptrs)
+    return values
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head_offset, tile, q_pos, kv_end,
     qk_scale, softcap, window, stride_cb, stride_cs, d,
@@ -42,20 +52,14 @@ def _attend_tile(
     end, or keys some of the tile's queries must not see (the causal diagonal, a window's edge); the
     others are read and used whole, with no mask to compute."""
     n = tile + tl.arange(0, BLOCK_N)
-    if MASKED:
-        n_ok = n < kv_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    else:
-        block = tl.load(table + n // BLOCK_SIZE).to(tl.int64)
-    offs = block * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
+    n_ok = n < kv_end
+    block = _load(table + n // BLOCK_SIZE, n_ok, MASKED, 0)
+    offs = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
     kv_ptrs = offs[:, None] + d[None, :]
+    kv_mask = (d < HEAD_DIM)[None, :]  # the padded dims (dot_dim); an inner tile has no other
     if MASKED:
-        kv_mask = n_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + kv_ptrs)
+        kv_mask = n_ok[:, None] & kv_mask
+    k = _load(k_cache_ptr + kv_ptrs, kv_mask, MASKED or BLOCK_D != HEAD_DIM, 0.0)
     if FP8:  # e4m3 values are exact in every q dtype; the scale is in qk_scale
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -68,12 +72,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + kv_ptrs)
+    v = _load(v_cache_ptr + kv_ptrs, kv_mask, MASKED or BLOCK_D != HEAD_DIM, 0.0)
     if FP8:
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)

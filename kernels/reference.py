@@ -342,9 +342,8 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float ``[M, K]`` -> (e4m3 ``[M, K]``, float32 scale ``[M]``): each row divided by ``max|row| / 448``,
     rounded to nearest even. The weights' per-output-channel quantization at load, and the activations'
     per-token one at run time (vLLM's dynamic FP8 scheme)."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # an all-zero row stays zero
-    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE), scale
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # an all-zero row stays zero
+    return quantize_kv(x, FP8_KV_DTYPE, scale[:, None]), scale
 
 
 def fp8_matmul(

@@ -49,10 +49,9 @@ def quantize_linears(model: nn.Module, name: str | None, kernels: ModuleType) ->
     tied = bool(getattr(model, "tie_word_embeddings", False))
     head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if module is head and not method.quantizes_head:
-            continue
-        tied_head = tied and method.quantizes_head and isinstance(module, VocabEmbedding)
-        if isinstance(module, Linear) or tied_head:
+        tied_head = tied and isinstance(module, VocabEmbedding)
+        is_head = module is head or tied_head
+        if (isinstance(module, Linear) or tied_head) and (method.quantizes_head or not is_head):
             module.set_method(method)
 
 
