@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import flash_prefill
 from ._triton_utils import dot_dim, fp8_kv_scales, softcap_scores
+from .prefill_bounds import PrefillBounds
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query tokens per program
@@ -179,10 +181,17 @@ def paged_attention_prefill(
     logit_softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    bounds: PrefillBounds | None = None,
+    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed variable-length queries ``[num_tokens, num_heads, head_dim]``, each attending causally to
-    its cached context (see the module docstring); ``sliding_window``, ``logit_softcap`` and the FP8
-    cache's ``k_scale``/``v_scale`` as in ``reference.paged_attention_prefill``."""
+    its cached context (see the module docstring); the other arguments as in
+    ``reference.paged_attention_prefill``. Given the batch's ``bounds``, a batch that FlashAttention
+    takes goes there (kernels/flash_prefill.py); without them, or for what it does not take, this
+    kernel runs."""
+    if bounds is not None and flash_prefill.takes(q, k_cache, sliding_window, logit_softcap):
+        return flash_prefill.attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, scale, bounds,
+                                    k_scale, v_scale, chunk_kv)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

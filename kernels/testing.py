@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .prefill_bounds import PrefillBounds
+
 
 @dataclass
 class PagedCase:
@@ -17,6 +19,11 @@ class PagedCase:
     q_decode: torch.Tensor  # [num_seqs, num_heads, head_dim]
     q_prefill: torch.Tensor  # [sum(q_lens), num_heads, head_dim]
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+
+    def prefill_bounds(self) -> PrefillBounds:
+        """The prefill queries' host-side sizes, as the model runner passes them."""
+        q_lens = self.cu_seqlens_q.diff().tolist()
+        return PrefillBounds.from_lens(q_lens, self.context_lens.tolist(), self.context_lens.device)
 
 
 def contexts(block_size: int, long_blocks: int = 4) -> list[int]:

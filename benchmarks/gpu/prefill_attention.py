@@ -1,5 +1,8 @@
-"""Prefill attention FLOP/s: the Triton paged kernel (kernels/paged_attention_prefill.py) beside torch's
-own FlashAttention (``scaled_dot_product_attention`` on contiguous K/V, causal), in one run.
+"""Prefill attention FLOP/s: the engine's prefill attention, the Triton paged kernel
+(kernels/paged_attention_prefill.py) and torch's own FlashAttention (``scaled_dot_product_attention`` on
+contiguous K/V, causal), in one run. The engine's call passes the batch's bounds and the chunks' K/V, so
+what FlashAttention takes goes there (kernels/flash_prefill.py: the whole prompts read their own K/V, the
+mixed case's context is gathered from the paged cache first, inside the timing).
 
 Head dims 128 (Llama-3-8B: 32 query heads, 8 KV heads) and 64 (Llama-3.2-1B: 32/8), bf16, block size
 16, 16,384 query tokens a launch: 16 prompts of 1,024 tokens, 4 of 4,096, 2 of 8,192, and the mixed
@@ -23,7 +26,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 from pagedserve.benchmarks.gpu.common import cuda_time, device_info, write_result
-from pagedserve.kernels import paged_attention_prefill
+from pagedserve.kernels import flash_prefill, paged_attention_prefill
 from pagedserve.kernels.testing import make_paged_case
 
 prefill_module = importlib.import_module("pagedserve.kernels.paged_attention_prefill")
@@ -46,12 +49,17 @@ def causal_flops(context_lens: list[int], q_lens: list[int], head_dim: int, num_
     return 4 * pairs * head_dim * num_heads
 
 
-def paged_case(head_dim: int, context_lens: list[int], q_lens: list[int]):
+def paged_case(head_dim: int, context_lens: list[int], q_lens: list[int]) -> tuple[tuple, dict]:
+    """The kernel's positional arguments, and the keywords the engine adds (the batch's bounds, and the
+    chunks' own K/V, here gathered once from the cache where the chunks are whole prompts)."""
     num_heads, num_kv_heads = HEADS[head_dim]
     case = make_paged_case(context_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda",
                            q_lens=q_lens)
+    bounds = case.prefill_bounds()
+    chunk_kv = (flash_prefill.gather_context(case.k_cache, case.v_cache, case.block_tables, bounds,
+                                             torch.bfloat16) if bounds.whole_prompts else None)
     return (case.q_prefill, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
-            case.context_lens, head_dim**-0.5)
+            case.context_lens, head_dim**-0.5), {"bounds": bounds, "chunk_kv": chunk_kv}
 
 
 def sdpa_tflops(head_dim: int, context_lens: list[int], flops: int) -> float:
@@ -68,15 +76,17 @@ def measure(head_dim: int) -> dict:
     out = {}
     for name, (context_lens, q_lens) in CASES.items():
         flops = causal_flops(context_lens, q_lens, head_dim, HEADS[head_dim][0])
-        args = paged_case(head_dim, context_lens, q_lens)
+        args, engine = paged_case(head_dim, context_lens, q_lens)
         seconds = cuda_time(lambda args=args: paged_attention_prefill(*args), iters=20)
-        row = {"flops": flops, "triton_tflops": flops / seconds / 1e12}
+        engine_seconds = cuda_time(lambda a=args, kw=engine: paged_attention_prefill(*a, **kw), iters=20)
+        row = {"flops": flops, "engine_tflops": flops / engine_seconds / 1e12,
+               "triton_tflops": flops / seconds / 1e12}
         if context_lens == q_lens:
             row["sdpa_flash_tflops"] = sdpa_tflops(head_dim, context_lens, flops)
-            row["triton_over_sdpa"] = row["triton_tflops"] / row["sdpa_flash_tflops"]
+            row["engine_over_sdpa"] = row["engine_tflops"] / row["sdpa_flash_tflops"]
         out[name] = row
         print(f"d{head_dim} {name:14s} " + " ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
-        del args
+        del args, engine
         torch.cuda.empty_cache()
     return out
 
@@ -84,7 +94,7 @@ def measure(head_dim: int) -> dict:
 def sweep(head_dim: int) -> list[dict]:
     context_lens, q_lens = CASES["4x4096"]
     flops = causal_flops(context_lens, q_lens, head_dim, HEADS[head_dim][0])
-    args = paged_case(head_dim, context_lens, q_lens)
+    args, _ = paged_case(head_dim, context_lens, q_lens)
     defaults = {k: getattr(prefill_module, k) for k in TUNABLES}
     expected = paged_attention_prefill(*args).float()
     trials = []
@@ -110,7 +120,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the kernel's tunables too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = {"benchmark": "prefill attention FLOP/s, Triton paged kernel vs torch SDPA",
+    result = {"benchmark": "prefill attention FLOP/s: the engine's, the Triton paged kernel's, torch SDPA's",
               "device": device_info(), "dtype": "bfloat16", "block_size": 16,
               "config": {k: getattr(prefill_module, k) for k in TUNABLES},
               "head_dims": {str(d): measure(d) for d in HEADS}}

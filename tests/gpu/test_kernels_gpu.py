@@ -12,7 +12,7 @@ import pagedserve.kernels as triton_kernels
 import pytest
 import torch
 from gpu_helpers import GPU
-from pagedserve.kernels import reference
+from pagedserve.kernels import flash_prefill, reference
 from pagedserve.kernels.testing import hide_blocks_outside_window, make_paged_case
 from transformers import LlamaConfig
 
@@ -68,6 +68,31 @@ def test_paged_attention_prefill(block_size, num_heads, num_kv_heads, head_dim, 
             case.context_lens, head_dim**-0.5)
     expected = reference.paged_attention_prefill(*fp32(*args))
     assert_close(triton_kernels.paged_attention_prefill(*args), expected, dtype)
+    # With the batch's bounds, as the engine calls it: FlashAttention on the context gathered from the
+    # cache (these chunks are not all whole prompts), except fp32, which stays on the Triton kernel.
+    assert flash_prefill.takes(case.q_prefill, case.k_cache, None, None) == (dtype != torch.float32)
+    assert_close(triton_kernels.paged_attention_prefill(*args, bounds=case.prefill_bounds()), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
+def test_whole_prompts_attend_to_their_own_keys(num_heads, num_kv_heads, head_dim, dtype):
+    """Every chunk a whole prompt: FlashAttention reads the chunks' K/V as given (the values the store
+    just wrote), with no gather; the same result as from the cache."""
+    lens = [1, 64, 1500, 700, 2048, 97]
+    case = make_paged_case(lens, num_heads, num_kv_heads, head_dim, 16, dtype, CUDA, q_lens=lens)
+    args = (case.q_prefill, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
+            case.context_lens, head_dim**-0.5)
+    bounds = case.prefill_bounds()
+    assert bounds.whole_prompts
+    chunk_kv = flash_prefill.gather_context(case.k_cache, case.v_cache, case.block_tables, bounds, dtype)
+    expected = reference.paged_attention_prefill(*fp32(*args))
+    from_chunk = triton_kernels.paged_attention_prefill(*args, bounds=bounds, chunk_kv=chunk_kv)
+    assert_close(from_chunk, expected, dtype)
+    # Not the cache: zeroed chunk values give zero outputs.
+    zeros = (chunk_kv[0], torch.zeros_like(chunk_kv[1]))
+    assert triton_kernels.paged_attention_prefill(*args, bounds=bounds, chunk_kv=zeros).abs().max() == 0
+    torch.testing.assert_close(from_chunk, triton_kernels.paged_attention_prefill(*args, bounds=bounds))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,6 +117,7 @@ def test_attention_variants(sliding_window, logit_softcap, dtype):
             args = (queries, hidden.k_cache, hidden.v_cache, hidden.block_tables, hidden.cu_seqlens_q,
                     hidden.context_lens, head_dim**-0.5)
             kernel, ref = triton_kernels.paged_attention_prefill, reference.paged_attention_prefill
+            variant["bounds"] = hidden.prefill_bounds()  # the engine's call: these stay on Triton
         assert_close(kernel(*args, **variant), ref(*fp32(*args), **variant), dtype)
 
 
