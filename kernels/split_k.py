@@ -23,12 +23,13 @@ ROWS = 16  # up to this many rows a matmul takes its split-K launch
 PROGRAMS_PER_SM = 4
 
 
-def plan(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
-    """``(splits, k_per_split)``: enough ``block_n``-column programs to fill the device, each over whole
-    ``block_k`` steps of K."""
+def plan(n: int, k: int, block_n: int, block_k: int, device: torch.device,
+         programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+    """``(splits, k_per_split)``: enough ``block_n``-column programs to fill the device (about
+    ``programs_per_sm`` per SM), each over whole ``block_k`` steps of K."""
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
-    splits = max(1, min(steps, triton.cdiv(PROGRAMS_PER_SM * num_sms(device), tiles)))
+    splits = max(1, min(steps, triton.cdiv(programs_per_sm * num_sms(device), tiles)))
     per_split = triton.cdiv(steps, splits) * block_k
     return triton.cdiv(k, per_split), per_split
 

@@ -4,11 +4,18 @@ Decode on a GPU is memory-bound on the weights; int8 halves the bytes of bf16. E
 ``BLOCK_M x BLOCK_N`` output tile: it loads int8 weight tiles, widens them to the activation dtype in
 registers (int8 values are exact in bf16/fp16) and accumulates ``tl.dot`` in float32; the per-output-
 channel scale and the bias are applied once, to the accumulator. Up to ``split_k.ROWS`` rows (decode)
-K is split across programs too (kernels/split_k.py). The reference is
+K is split across programs too (kernels/split_k.py), with a launch tuned per GPU and weight shape where
+kernels/configs/w8a16_decode.json has one (benchmarks/gpu/tune_w8a16.py writes it, as vLLM's
+benchmark_moe.py writes its fused-MoE configs). The reference is
 ``pagedserve.kernels.reference.w8a16_matmul``.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -21,11 +28,36 @@ BLOCK_M_MAX = 64
 BLOCK_N = 64
 BLOCK_K = 64
 NUM_WARPS = 4
-# The split-K launch (decode rows): narrower column tiles, longer K steps, deeper pipelining.
-GEMV_BLOCK_N = 32
-GEMV_BLOCK_K = 256
-GEMV_WARPS = 4
-GEMV_STAGES = 4
+TUNED_LAUNCHES = Path(__file__).parent / "configs" / "w8a16_decode.json"
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The split-K launch of up to ``split_k.ROWS`` rows. The default: narrower column tiles than the
+    batched launch, longer K steps, deeper pipelining."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = split_k.PROGRAMS_PER_SM
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, DecodeLaunch]:
+    """``"NxK"`` -> launch, for one GPU model, from TUNED_LAUNCHES (none where it has no entry)."""
+    table = json.loads(TUNED_LAUNCHES.read_text()) if TUNED_LAUNCHES.exists() else {}
+    return {shape: DecodeLaunch(**launch) for shape, launch in table.get(device_name, {}).items()}
+
+
+@functools.cache
+def _launches(n: int, k: int, device: torch.device) -> DecodeLaunch:
+    return _tuned(torch.cuda.get_device_name(device)).get(f"{n}x{k}", DecodeLaunch())
+
+
+def decode_launch(n: int, k: int, device: torch.device) -> DecodeLaunch:
+    """The tuned launch for an ``[n, k]`` weight on this GPU, else the default (looked up once)."""
+    return _launches(n, k, device) if device.type == "cuda" else DecodeLaunch()
 
 
 @triton.jit
@@ -68,6 +100,15 @@ def w8a16_matmul(
 ) -> torch.Tensor:
     """``x`` ``[..., K]`` (float), ``weight`` int8 ``[N, K]``, ``scale`` ``[N]``, ``bias`` ``[N]`` or
     None -> ``[..., N]`` in ``x``'s dtype."""
+    return w8a16_matmul_with(x, weight, scale, bias, launch=None)
+
+
+def w8a16_matmul_with(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    launch: DecodeLaunch | None,
+) -> torch.Tensor:
+    """``w8a16_matmul`` with the split-K launch of a few rows given (benchmarks/gpu/tune_w8a16.py tries
+    them); ``None``: the tuned one."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -77,9 +118,10 @@ def w8a16_matmul(
     if not (m and n):
         return out.view(*x.shape[:-1], n)
     if m <= split_k.ROWS:  # tl.dot needs at least 16 rows
-        block_m, block_n, block_k = max(16, next_pow2(m)), GEMV_BLOCK_N, GEMV_BLOCK_K
-        tuning = {"num_warps": GEMV_WARPS, "num_stages": GEMV_STAGES}
-        splits, per_split = split_k.plan(n, k, block_n, block_k, x.device)
+        launch = launch or decode_launch(n, k, x.device)
+        block_m, block_n, block_k = max(16, next_pow2(m)), launch.block_n, launch.block_k
+        tuning = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        splits, per_split = split_k.plan(n, k, block_n, block_k, x.device, launch.programs_per_sm)
     else:
         block_m, block_n, block_k = min(BLOCK_M_MAX, next_pow2(m)), BLOCK_N, BLOCK_K
         tuning = {"num_warps": NUM_WARPS}

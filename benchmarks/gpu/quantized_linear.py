@@ -10,17 +10,14 @@ graph (``common.graph_time``: no host launch cost), over rotating copies of its 
 exceed the L2 cache, as a model's layers do. Reports microseconds per call, the weights' bytes over that
 time, and each kernel's time over bf16's at the same shape and rows.
 
-``--sweep``: the split-K launch's tiles (kernels/split_k.py and the w8a16 matmul's ``GEMV_*``
-constants) at one row on the qkv and down shapes, each configuration's output checked against the
-default's.
+The w8a16 decode rows run the launch tuned for the GPU (benchmarks/gpu/tune_w8a16.py), as the engine does.
 
-    python -m pagedserve.benchmarks.gpu.quantized_linear [--rows 1 16 ...] [--sweep] [--out DIR]
+    python -m pagedserve.benchmarks.gpu.quantized_linear [--rows 1 16 ...] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -66,54 +63,11 @@ def rotation(kernel: str, n: int, k: int) -> tuple[list[Layer], int]:
     return [first] + [layer(kernel, n, k, seed)[0] for seed in range(1, -(-ROTATION_BYTES // nbytes))], nbytes
 
 
-split_k = importlib.import_module("pagedserve.kernels.split_k")
-# Per kernel: its module, the constants swept, and the values tried (the defaults first).
-SWEEP = {
-    "w8a16": ("pagedserve.kernels.w8a16_matmul",
-              ("GEMV_BLOCK_N", "GEMV_BLOCK_K", "GEMV_WARPS", "GEMV_STAGES", "PROGRAMS_PER_SM"),
-              [(32, 256, 4, 4, 4), (64, 256, 4, 4, 4), (16, 512, 4, 4, 4), (32, 512, 4, 3, 4),
-               (32, 256, 4, 4, 8), (64, 128, 4, 4, 8), (32, 256, 8, 4, 4), (128, 128, 4, 4, 2)]),
-}
-
-
-def _configure(module, names: tuple[str, ...], values: tuple[int, ...]) -> None:
-    for name, value in zip(names, values, strict=True):
-        setattr(split_k if name == "PROGRAMS_PER_SM" else module, name, value)
-
-
-def sweep(copy_bw: float) -> list[dict]:
-    """One-row time of each split-K configuration, on the qkv and down shapes."""
-    trials = []
-    for kernel, (module_name, names, configs) in SWEEP.items():
-        module = importlib.import_module(module_name)
-        for shape, n, k in [s for s in SHAPES if s[0] in ("qkv", "down")]:
-            copies, nbytes = rotation(kernel, n, k)
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            _configure(module, names, configs[0])
-            expected = copies[0](x).float()
-            for values in configs:
-                _configure(module, names, values)
-                row = {"kernel": kernel, "shape": shape, "config": dict(zip(names, values, strict=True))}
-                try:
-                    row["max_diff_vs_default"] = (copies[0](x).float() - expected).abs().max().item()
-                    seconds = graph_time([lambda f=f, x=x: f(x) for f in copies])
-                    row.update(microseconds=seconds * 1e6, weight_bw_fraction=nbytes / seconds / copy_bw)
-                except Exception as exc:  # e.g. out of shared memory for a large tile
-                    row["error"] = repr(exc)[:200]
-                trials.append(row)
-                print(row, flush=True)
-            _configure(module, names, configs[0])
-            del copies
-            torch.cuda.empty_cache()
-    return trials
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
-    parser.add_argument("--sweep", action="store_true", help="time the split-K tiles too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     copy_bw = copy_bandwidth()
@@ -139,8 +93,6 @@ def main() -> None:
         del kernels
         torch.cuda.empty_cache()
         write_result("quantized_linear", result, args.out, echo=False)  # what a cut run has measured
-    if args.sweep:
-        result["split_k_sweep"] = sweep(copy_bw)
     write_result("quantized_linear", result, args.out)
 
 

@@ -43,8 +43,12 @@ def _tests(folder: Path) -> dict[str, Any] | None:
 def _prefill(data: dict | None) -> dict | None:
     if data is None:
         return None
-    out = {f"d{dim}": {case: round(row["triton_tflops"], 1) for case, row in cases.items()}
+    # The engine's path (FlashAttention where it takes the batch) where the run measured it.
+    out = {f"d{dim}": {case: round(row.get("engine_tflops", row["triton_tflops"]), 1)
+                       for case, row in cases.items()}
            for dim, cases in data["head_dims"].items()}
+    out.update({f"d{dim}_triton": {case: round(row["triton_tflops"], 1) for case, row in cases.items()}
+                for dim, cases in data["head_dims"].items()})
     out.update({f"d{dim}_sdpa_flash": {case: round(row["sdpa_flash_tflops"], 1) for case, row in cases.items()
                                        if "sdpa_flash_tflops" in row}
                 for dim, cases in data["head_dims"].items()})
@@ -65,6 +69,16 @@ def _quantized(data: dict | None) -> dict | None:
                                     "weight_bw_fraction": round(row["weight_bw_fraction"], 3),
                                     "time_over_bf16": round(row["time_over_bf16"], 3)}
     return out
+
+
+def _tuning(data: dict | None) -> dict | None:
+    """Per shape: the default launch's and the chosen launch's one-row time and bandwidth share."""
+    if data is None:
+        return None
+    return {shape: {which: {"microseconds": round(row[which]["microseconds"], 1),
+                            "weight_bw_fraction": round(row[which]["weight_bw_fraction"], 3)}
+                    for which in ("default", "chosen")}
+            for shape, row in data["shapes"].items()}
 
 
 def _steps(folder: Path) -> tuple[dict | None, dict | None]:
@@ -99,6 +113,7 @@ def build(folder: Path, date: str) -> dict[str, Any]:
         "per_kernel_max_error": errors["kernels"] if errors else None,
         "prefill_attention_tflops": _prefill(_load(folder, "prefill_attention")),
         "quantized_linear": _quantized(_load(folder, "quantized_linear")),
+        "w8a16_decode_tuning": _tuning(_load(folder, "tune_w8a16")),
         "decode_step_vs_roofline": decode_step,
         "quantized_steps_vs_bf16": quantized_steps,
         "gpu_busy_share_bs64": busy["gpu_busy_share"] if busy else None,
@@ -121,8 +136,10 @@ def table(summary: dict[str, Any]) -> str:
     if prefill:
         for dim in ("d128", "d64"):
             cases = ", ".join(f"{case} {value}" for case, value in prefill.get(dim, {}).items())
+            triton = ", ".join(f"{c} {v}" for c, v in prefill.get(f"{dim}_triton", {}).items())
             flash = ", ".join(f"{c} {v}" for c, v in prefill.get(f"{dim}_sdpa_flash", {}).items())
-            rows.append((f"prefill attention {dim}, TFLOP/s", f"{cases} (torch SDPA flash: {flash})"))
+            rows.append((f"prefill attention {dim}, TFLOP/s",
+                         f"{cases} (Triton kernel alone: {triton}; torch SDPA flash: {flash})"))
     steps = summary["decode_step_vs_roofline"]
     if steps:
         rows.append(("batch-1 decode step, Llama-3-8B shape, bf16",

@@ -11,10 +11,12 @@
 #           (PYTEST_TIMEOUT, default 300 s) so a hang is named, not waited out, and the run a deadline
 #           (PYTEST_DEADLINE, default 540 s) within one 10-minute device call. Its JUnit XML, and a summary
 #           with each failure's name and first error lines, land in $OUT whatever happens.
+#   tune    the w8a16 split-K decode launch per Llama-3-8B projection shape on this GPU, written to
+#           kernels/configs/w8a16_decode.json (which the later stages then run; commit it from $OUT)
 #   kernels each Triton kernel's max error against its fp32 reference at real shapes; prefill attention
-#           FLOP/s beside torch's FlashAttention (with a sweep of its tiles); the quantized linear layers
-#           against bf16 cuBLAS at Llama-3-8B's shapes, 1 to 1024 rows (QUANT_ROWS; with a sweep of the
-#           split-K tiles)
+#           FLOP/s, the engine's (FlashAttention where it takes the batch) and the Triton kernel's beside
+#           torch's SDPA (with a sweep of the kernel's tiles); the quantized linear layers against bf16
+#           cuBLAS at Llama-3-8B's shapes, 1 to 1024 rows (QUANT_ROWS)
 #   steps   the batch-1 decode step of the Llama-3-8B shape in bf16, int8 weights, FP8 weights and with an
 #           FP8 KV cache (STEP_MODES="bf16 int8 fp8 kv-fp8"), each against its roofline
 #   a       decode attention bandwidth vs device-to-device copy (batch 64, context 2048, Llama-3-8B heads)
@@ -72,17 +74,19 @@ fi
 run $PY -m pagedserve.benchmarks.gpu.common  # $OUT/environment.json: GPU, torch, triton
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests kernels steps a bd c report)
+[ ${#stages[@]} -gt 0 ] || stages=(tests tune kernels steps a bd c report)
 for stage in "${stages[@]}"; do
   log "stage $stage"
   case "$stage" in
     tests)
       pytest_stage tests -n "${PYTEST_WORKERS:-12}" --dist worksteal "${GPU_TESTS[@]}" -k "$GPU_TESTS_FILTER" ;;
+    tune)
+      run $PY -m pagedserve.benchmarks.gpu.tune_w8a16 --out "$OUT"
+      cp kernels/configs/w8a16_decode.json "$OUT/" ;;
     kernels)
       run $PY -m pagedserve.benchmarks.gpu.prefill_attention --sweep --out "$OUT"
       # shellcheck disable=SC2086  # QUANT_ROWS is a list of numbers
-      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --sweep --rows ${QUANT_ROWS:-1 16 64 256 1024} \
-        --out "$OUT"
+      run $PY -m pagedserve.benchmarks.gpu.quantized_linear --rows ${QUANT_ROWS:-1 16 64 256 1024} --out "$OUT"
       run $PY -m pagedserve.benchmarks.gpu.kernel_errors --out "$OUT" ;;
     steps)
       run $PY -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out "$MODELS/llama3-8b"

@@ -40,7 +40,8 @@ def test_w8a16_matmul_matches_reference(m, n, k, bias, dtype):
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     expected = reference.w8a16_matmul(x.float(), weight, scale, None if b is None else b.float())
     if m <= split_k.ROWS and k == 600:
-        assert split_k.plan(n, k, w8a16.GEMV_BLOCK_N, w8a16.GEMV_BLOCK_K, x.device)[0] == 3
+        launch = w8a16.DecodeLaunch()
+        assert split_k.plan(n, k, launch.block_n, launch.block_k, x.device)[0] == 3
     actual = w8a16_matmul(x, weight, scale, b)
     assert actual.shape == (m, n) and actual.dtype == dtype
     error = (actual.float() - expected).abs().max().item()
