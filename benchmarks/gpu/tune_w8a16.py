@@ -27,7 +27,7 @@ from pagedserve.server.layers.quantization.int8 import quantize_per_channel
 CANDIDATES = [
     DecodeLaunch(block_n, block_k, warps, stages, per_sm)
     for block_n, block_k, warps, stages, per_sm in itertools.product(
-        (16, 32, 64), (256, 512), (4, 8), (3, 5), (2, 4, 8)
+        (16, 32, 64), (256, 512), (4, 8), (3, 5), (1, 2, 4, 8)
     )
 ]
 MIN_GAIN = 0.03  # a launch must beat the default by this fraction: smaller gains are timing noise
