@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import flash_prefill
+from . import cudnn_prefill
 from ._triton_utils import dot_dim, fp8_kv_scales, softcap_scores
 from .prefill_bounds import PrefillBounds
 
@@ -186,12 +186,12 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """Packed variable-length queries ``[num_tokens, num_heads, head_dim]``, each attending causally to
     its cached context (see the module docstring); the other arguments as in
-    ``reference.paged_attention_prefill``. Given the batch's ``bounds``, a batch that FlashAttention
-    takes goes there (kernels/flash_prefill.py); without them, or for what it does not take, this
-    kernel runs."""
-    if bounds is not None and flash_prefill.takes(q, k_cache, sliding_window, logit_softcap):
-        return flash_prefill.attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, scale, bounds,
-                                    k_scale, v_scale, chunk_kv)
+    ``reference.paged_attention_prefill``. Given the batch's ``bounds`` and the chunks' own ``chunk_kv``,
+    a batch of whole prompts goes to cuDNN where it takes it (kernels/cudnn_prefill.py); everything
+    else runs this kernel."""
+    if (bounds is not None and chunk_kv is not None
+            and cudnn_prefill.takes(q, k_cache, bounds, sliding_window, logit_softcap)):
+        return cudnn_prefill.attend(q, *chunk_kv, cu_seqlens_q, bounds, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

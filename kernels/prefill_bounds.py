@@ -2,7 +2,7 @@
 
 The model runner (server/worker/model_runner.py) knows every chunk's length before the step; a kernel
 that sizes a buffer or picks a launch from them would otherwise read them back from the GPU, a sync per
-layer. kernels/flash_prefill.py needs them to hand a batch to FlashAttention's variable-length entry.
+layer. kernels/cudnn_prefill.py needs them to hand whole prompts to cuDNN's packed-sequence attention.
 """
 
 from __future__ import annotations

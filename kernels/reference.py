@@ -189,8 +189,8 @@ def paged_attention_prefill(
     and prefix-cache hits are attended to from the cache like any other token. ``sliding_window`` and
     ``logit_softcap`` as in ``paged_attention_decode``: a query at position ``p`` sees keys
     ``p - sliding_window + 1 .. p``. ``bounds`` (the batch's sizes, known on the host) and ``chunk_kv``
-    (the chunks' own K/V, as just stored) let a GPU backend hand the batch to FlashAttention
-    (kernels/flash_prefill.py); the result never depends on them, and this reference reads the cache.
+    (the chunks' own K/V, as just stored) let a GPU backend hand whole prompts to cuDNN
+    (kernels/cudnn_prefill.py); the result never depends on them, and this reference reads the cache.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()

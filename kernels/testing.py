@@ -25,6 +25,16 @@ class PagedCase:
         q_lens = self.cu_seqlens_q.diff().tolist()
         return PrefillBounds.from_lens(q_lens, self.context_lens.tolist(), self.context_lens.device)
 
+    def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's cached K and V, packed ``[sum(context_lens), num_kv_heads, head_dim]``: the
+        chunks' own K/V, as the model passes them, where every chunk is a whole prompt."""
+        from .reference import _gather_context
+
+        lens = self.context_lens.tolist()
+        return tuple(torch.cat([_gather_context(cache, table, n) for table, n in zip(self.block_tables, lens,
+                                                                                      strict=True)])
+                     for cache in (self.k_cache, self.v_cache))
+
 
 def contexts(block_size: int, long_blocks: int = 4) -> list[int]:
     """Context lengths for ``make_paged_case``: one token, exactly block-aligned, ragged, long and ragged

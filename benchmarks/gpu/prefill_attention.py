@@ -1,8 +1,7 @@
 """Prefill attention FLOP/s: the engine's prefill attention, the Triton paged kernel
 (kernels/paged_attention_prefill.py) and torch's own FlashAttention (``scaled_dot_product_attention`` on
 contiguous K/V, causal), in one run. The engine's call passes the batch's bounds and the chunks' K/V, so
-what FlashAttention takes goes there (kernels/flash_prefill.py: the whole prompts read their own K/V, the
-mixed case's context is gathered from the paged cache first, inside the timing).
+batches of whole prompts go to cuDNN (kernels/cudnn_prefill.py) and the mixed case to the Triton kernel.
 
 Head dims 128 (Llama-3-8B: 32 query heads, 8 KV heads) and 64 (Llama-3.2-1B: 32/8), bf16, block size
 16, 16,384 query tokens a launch: 16 prompts of 1,024 tokens, 4 of 4,096, 2 of 8,192, and the mixed
@@ -26,7 +25,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 from pagedserve.benchmarks.gpu.common import cuda_time, device_info, write_result
-from pagedserve.kernels import flash_prefill, paged_attention_prefill
+from pagedserve.kernels import cudnn_prefill, paged_attention_prefill
 from pagedserve.kernels.testing import make_paged_case
 
 prefill_module = importlib.import_module("pagedserve.kernels.paged_attention_prefill")
@@ -51,13 +50,12 @@ def causal_flops(context_lens: list[int], q_lens: list[int], head_dim: int, num_
 
 def paged_case(head_dim: int, context_lens: list[int], q_lens: list[int]) -> tuple[tuple, dict]:
     """The kernel's positional arguments, and the keywords the engine adds (the batch's bounds, and the
-    chunks' own K/V, here gathered once from the cache where the chunks are whole prompts)."""
+    chunks' own K/V: here the cache's, which they equal where every chunk is a whole prompt)."""
     num_heads, num_kv_heads = HEADS[head_dim]
     case = make_paged_case(context_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda",
                            q_lens=q_lens)
     bounds = case.prefill_bounds()
-    chunk_kv = (flash_prefill.gather_context(case.k_cache, case.v_cache, case.block_tables, bounds,
-                                             torch.bfloat16) if bounds.whole_prompts else None)
+    chunk_kv = case.context_kv() if bounds.whole_prompts else None
     return (case.q_prefill, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
             case.context_lens, head_dim**-0.5), {"bounds": bounds, "chunk_kv": chunk_kv}
 
@@ -124,6 +122,7 @@ def main() -> None:
               "device": device_info(), "dtype": "bfloat16", "block_size": 16,
               "config": {k: getattr(prefill_module, k) for k in TUNABLES},
               "head_dims": {str(d): measure(d) for d in HEADS}}
+    result["cudnn_kv_heads_repeated"] = cudnn_prefill._expand_kv_heads  # this torch's cuDNN refused GQA
     write_result("prefill_attention", result, args.out, echo=False)  # what a cut run has measured
     if args.sweep:
         result["sweep_4x4096"] = {str(d): sweep(d) for d in HEADS}

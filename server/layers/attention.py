@@ -27,8 +27,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] offsets of each chunk after the decodes
     prefill_context_lens: torch.Tensor  # [num_prefills] tokens in cache after this step's chunk
-    # The prefills' sizes on the host, where the runner knows them: a GPU backend hands such a batch to
-    # FlashAttention (kernels/flash_prefill.py). None: the kernels find the sizes themselves.
+    # The prefills' sizes on the host, where the runner knows them: a GPU backend hands a batch of whole
+    # prompts to cuDNN (kernels/cudnn_prefill.py). None: the kernels find the sizes themselves.
     prefill_bounds: PrefillBounds | None = None
 
     @property

@@ -12,8 +12,8 @@ import importlib
 import pagedserve.kernels as triton_kernels
 import pytest
 import torch
-from pagedserve.kernels import flash_prefill, reference
-from pagedserve.kernels.testing import contexts, fp8_paged_case, hide_blocks_outside_window, make_paged_case
+from pagedserve.kernels import reference
+from pagedserve.kernels.testing import contexts, hide_blocks_outside_window, make_paged_case
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
@@ -91,27 +91,6 @@ def test_paged_attention_prefill_many_tiles_and_empty_chunks():
         0.125,
     )
     assert_close(triton_kernels.paged_attention_prefill(*args), reference.paged_attention_prefill(*args))
-
-
-@pytest.mark.parametrize("cache", ["fp32", "fp16", "fp8"])
-def test_gather_context_packs_each_context_in_order(cache):
-    """kernels/flash_prefill.py's gather: each sequence's cached rows 0 .. context_len - 1, packed; an
-    FP8 cache dequantized as the reference reads it. Several row tiles (32 KV heads x 64 = 2048 wide)
-    and token tiles."""
-    dtype = torch.float16 if cache == "fp16" else torch.float32
-    case = make_paged_case([1, 40, 33, 0, 70], 32, 32, 64, 16, dtype, q_lens=[1, 5, 33, 0, 1], seed=2)
-    scales = (None, None)
-    if cache == "fp8":
-        case, *scales = fp8_paged_case(case, 0.05, 0.02)
-    bounds = case.prefill_bounds()
-    keys, values = flash_prefill.gather_context(case.k_cache, case.v_cache, case.block_tables, bounds, dtype,
-                                                *scales)
-    for cached, scale, packed in ((case.k_cache, scales[0], keys), (case.v_cache, scales[1], values)):
-        expected = torch.cat([
-            reference.dequantize_kv(reference._gather_context(cached, table, length), scale, dtype)
-            for table, length in zip(case.block_tables, case.context_lens.tolist(), strict=True)
-        ])
-        assert torch.equal(packed, expected)
 
 
 # (sliding_window, logit_softcap): a window shorter than a block, one of several blocks, Gemma 2's
