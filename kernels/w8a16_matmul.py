@@ -41,6 +41,9 @@ class DecodeLaunch:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = split_k.PROGRAMS_PER_SM
+    # The last split of each tile to finish adds the partial sums up itself (split_k.py's ticket), in
+    # place of a second launch.
+    fused_reduce: bool = False
 
 
 @functools.cache
@@ -62,10 +65,10 @@ def decode_launch(n: int, k: int, device: torch.device) -> DecodeLaunch:
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -84,15 +87,26 @@ def _w8a16_kernel(
         w = tl.load(w_tile + k0, mask=k_ok[:, None] & col_ok[None, :], other=0)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    if PARTIAL:  # split_k.reduce_partials scales, adds the bias and casts
-        part = part_ptr + (split * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(part, acc, mask=tile_ok)
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if PARTIAL:  # split_k.reduce_partials, or the tile's last split, scales, adds the bias and casts
+        part = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(part + split.to(tl.int64) * M * N, acc, mask=tile_ok)
+        if FUSED_REDUCE:
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if split_k.last_to_finish(ticket_ptr + tile, tl.num_programs(2)):
+                acc = split_k.sum_partials(part, M * N, tl.num_programs(2), tile_ok, BLOCK_M, BLOCK_N)
+                _epilogue(acc, scale_ptr, bias_ptr, out, cols, col_ok, tile_ok, HAS_BIAS)
     else:
-        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        _epilogue(acc, scale_ptr, bias_ptr, out, cols, col_ok, tile_ok, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, scale_ptr, bias_ptr, out, cols, col_ok, tile_ok, HAS_BIAS: tl.constexpr):
+    """The per-channel scale and the bias on the float32 sums, cast, stored."""
+    acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out, acc.to(out.dtype.element_ty), mask=tile_ok)
 
 
 def w8a16_matmul(
@@ -126,15 +140,18 @@ def w8a16_matmul_with(
         block_m, block_n, block_k = min(BLOCK_M_MAX, next_pow2(m)), BLOCK_N, BLOCK_K
         tuning = {"num_warps": NUM_WARPS}
         splits, per_split = 1, k
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    fused = splits > 1 and launch is not None and launch.fused_reduce
     parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    _w8a16_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+    _w8a16_kernel[grid](
         x2, weight, scale, bias if bias is not None else scale, out, parts,
+        split_k.tickets(x.device, grid[0] * grid[1]) if fused else scale,  # never read unless fused
         m, n, k, per_split,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+        HAS_BIAS=bias is not None, PARTIAL=splits > 1, FUSED_REDUCE=fused,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **tuning,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and not fused:
         split_k.reduce_partials(parts, scale, bias, out)
     return out.view(*x.shape[:-1], n)

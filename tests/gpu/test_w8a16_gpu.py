@@ -32,6 +32,32 @@ def test_w8a16_matmul_matches_reference(n, k, rows, dtype):
     torch.testing.assert_close(actual.float(), expected, atol=atol * expected.abs().max().item(), rtol=rtol)
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize(("n", "k"), PROJECTION_SHAPES)
+def test_fused_reduce_is_the_reduce_launch_bit_for_bit(n, k, rows):
+    """The last split of each tile sums the partials (kernels/split_k.py's tickets): the separate reduce
+    launch's bits, launch after launch (a ticket counted wrong, or a partial read before it is written,
+    would show as a differing or stale tile), also replayed in a CUDA graph."""
+    from pagedserve.kernels.w8a16_matmul import DecodeLaunch, w8a16_matmul_with
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    weight, scale = quantize_per_channel(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    two_launches = DecodeLaunch(block_n=32, block_k=256, programs_per_sm=8)
+    fused = DecodeLaunch(block_n=32, block_k=256, programs_per_sm=8, fused_reduce=True)
+    expected = w8a16_matmul_with(x, weight, scale, None, two_launches)
+    for _ in range(20):
+        assert torch.equal(w8a16_matmul_with(x, weight, scale, None, fused), expected)
+    out = torch.empty_like(expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(w8a16_matmul_with(x, weight, scale, None, fused))
+    for _ in range(20):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, expected)
+
+
 def test_engine_int8_follows_bf16(random_model_path, monkeypatch):
     """Greedy int8 continuations mostly equal bf16's (quantization moves near-ties); the first token of
     most prompts agrees. A wrong kernel gives unrelated tokens from the first step."""

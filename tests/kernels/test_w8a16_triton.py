@@ -46,3 +46,24 @@ def test_w8a16_matmul_matches_reference(m, n, k, bias, dtype):
     assert actual.shape == (m, n) and actual.dtype == dtype
     error = (actual.float() - expected).abs().max().item()
     assert error <= TOLERANCE[dtype] * max(1.0, expected.abs().max().item()), f"max abs error {error}"
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 70, 600), (16, 40, 600)])
+def test_fused_reduce_equals_the_reduce_launch(m, n, k):
+    """The last split of each tile sums the partials itself: the same bits as the separate reduce
+    launch (same split order), and the ticket counters are back at zero for the next launch."""
+    w8a16 = importlib.import_module("pagedserve.kernels.w8a16_matmul")
+    split_k = importlib.import_module("pagedserve.kernels.split_k")
+    gen = torch.Generator().manual_seed(k)
+    weight, scale = quantize_per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    two_launches = w8a16.DecodeLaunch(block_n=16, block_k=64)
+    fused = w8a16.DecodeLaunch(block_n=16, block_k=64, fused_reduce=True)
+    assert split_k.plan(n, k, 16, 64, x.device)[0] > 1
+    expected = w8a16.w8a16_matmul_with(x, weight, scale, bias, two_launches)
+    for _ in range(2):  # the second launch finds the counters reset
+        assert torch.equal(w8a16.w8a16_matmul_with(x, weight, scale, bias, fused), expected)
+        assert not split_k.tickets(x.device, 1).any()
+    wanted = reference.w8a16_matmul(x, weight, scale, bias)
+    assert (expected - wanted).abs().max().item() <= TOLERANCE[torch.float32] * wanted.abs().max().item()
