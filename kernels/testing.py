@@ -23,7 +23,7 @@ class PagedCase:
     def prefill_bounds(self) -> PrefillBounds:
         """The prefill queries' host-side sizes, as the model runner passes them."""
         q_lens = self.cu_seqlens_q.diff().tolist()
-        return PrefillBounds.from_lens(q_lens, self.context_lens.tolist(), self.context_lens.device)
+        return PrefillBounds.from_lens(q_lens, self.context_lens.tolist())
 
     def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sequence's cached K and V, packed ``[sum(context_lens), num_kv_heads, head_dim]``: the

@@ -125,7 +125,7 @@ def profile_activation_peak(model: nn.Module, num_tokens: int, num_seqs: int) ->
             prefill_block_tables=torch.zeros(1, -(-num_tokens // 16), dtype=torch.int32, device=device),
             prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
             prefill_context_lens=lens,
-            prefill_bounds=PrefillBounds.from_lens([num_tokens], [num_tokens], device),
+            prefill_bounds=PrefillBounds.from_lens([num_tokens], [num_tokens]),
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device) % getattr(model, "max_position", num_tokens)

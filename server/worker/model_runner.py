@@ -318,7 +318,7 @@ class ModelRunner:
             prefill_block_tables=to(table_t[num_decodes:]),
             prefill_cu_seqlens_q=to(cu_seqlens),
             prefill_context_lens=to(lens_t[num_decodes:]),
-            prefill_bounds=PrefillBounds.from_lens(prefill_lens, context_lens[num_decodes:], self.device)
+            prefill_bounds=PrefillBounds.from_lens(prefill_lens, context_lens[num_decodes:])
             if prefills else None,
         )
         return StepInputs(
