@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cudnn_prefill
 from ._triton_utils import dot_dim, fp8_kv_scales, softcap_scores
-from .prefill_bounds import PrefillBounds
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query tokens per program
@@ -181,17 +179,10 @@ def paged_attention_prefill(
     logit_softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    bounds: PrefillBounds | None = None,
-    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed variable-length queries ``[num_tokens, num_heads, head_dim]``, each attending causally to
-    its cached context (see the module docstring); the other arguments as in
-    ``reference.paged_attention_prefill``. Given the batch's ``bounds`` and the chunks' own ``chunk_kv``,
-    a batch of whole prompts goes to cuDNN where it takes it (kernels/cudnn_prefill.py); everything
-    else runs this kernel."""
-    if (bounds is not None and chunk_kv is not None
-            and cudnn_prefill.takes(q, k_cache, bounds, sliding_window, logit_softcap)):
-        return cudnn_prefill.attend(q, *chunk_kv, cu_seqlens_q, bounds, scale)
+    its cached context (see the module docstring); ``sliding_window``, ``logit_softcap`` and the FP8
+    cache's ``k_scale``/``v_scale`` as in ``reference.paged_attention_prefill``."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

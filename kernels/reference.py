@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .prefill_bounds import PrefillBounds
-
 
 def store_kv_cache(
     k: torch.Tensor,
@@ -180,17 +178,13 @@ def paged_attention_prefill(
     logit_softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    bounds: PrefillBounds | None = None,
-    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed variable-length queries, each attending causally to its cached context.
 
     Query ``i`` of a sequence sits at absolute position ``context_len - q_len + i``, so earlier chunks
     and prefix-cache hits are attended to from the cache like any other token. ``sliding_window`` and
     ``logit_softcap`` as in ``paged_attention_decode``: a query at position ``p`` sees keys
-    ``p - sliding_window + 1 .. p``. ``bounds`` (the batch's sizes, known on the host) and ``chunk_kv``
-    (the chunks' own K/V, as just stored) let a GPU backend hand whole prompts to cuDNN
-    (kernels/cudnn_prefill.py); the result never depends on them, and this reference reads the cache.
+    ``p - sliding_window + 1 .. p``.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .prefill_bounds import PrefillBounds
-
 
 @dataclass
 class PagedCase:
@@ -19,21 +17,6 @@ class PagedCase:
     q_decode: torch.Tensor  # [num_seqs, num_heads, head_dim]
     q_prefill: torch.Tensor  # [sum(q_lens), num_heads, head_dim]
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-
-    def prefill_bounds(self) -> PrefillBounds:
-        """The prefill queries' host-side sizes, as the model runner passes them."""
-        q_lens = self.cu_seqlens_q.diff().tolist()
-        return PrefillBounds.from_lens(q_lens, self.context_lens.tolist())
-
-    def context_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sequence's cached K and V, packed ``[sum(context_lens), num_kv_heads, head_dim]``: the
-        chunks' own K/V, as the model passes them, where every chunk is a whole prompt."""
-        from .reference import _gather_context
-
-        lens = self.context_lens.tolist()
-        return tuple(torch.cat([_gather_context(cache, table, n) for table, n in zip(self.block_tables, lens,
-                                                                                      strict=True)])
-                     for cache in (self.k_cache, self.v_cache))
 
 
 def contexts(block_size: int, long_blocks: int = 4) -> list[int]:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from pagedserve.kernels.prefill_bounds import PrefillBounds
 from pagedserve.kernels.reference import FP8_MAX
 from torch import nn
 
@@ -27,9 +26,6 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] offsets of each chunk after the decodes
     prefill_context_lens: torch.Tensor  # [num_prefills] tokens in cache after this step's chunk
-    # The prefills' sizes on the host, where the runner knows them: a GPU backend hands a batch of whole
-    # prompts to cuDNN (kernels/cudnn_prefill.py). None: the kernels find the sizes themselves.
-    prefill_bounds: PrefillBounds | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -118,7 +114,6 @@ class Attention(nn.Module):
                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
                 sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
                 k_scale=self.k_scale, v_scale=self.v_scale,
-                bounds=meta.prefill_bounds, chunk_kv=(k[num_decode:], v[num_decode:]),
             )
         return out.view(-1, self.num_heads * self.head_dim)
 

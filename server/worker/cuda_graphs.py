@@ -21,7 +21,6 @@ sizes its launch from tensor shapes only, so one capture serves every context le
 from __future__ import annotations
 
 import torch
-from pagedserve.kernels.prefill_bounds import PrefillBounds
 from pagedserve.server.backend import Backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from torch import nn
@@ -125,7 +124,6 @@ def profile_activation_peak(model: nn.Module, num_tokens: int, num_seqs: int) ->
             prefill_block_tables=torch.zeros(1, -(-num_tokens // 16), dtype=torch.int32, device=device),
             prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
             prefill_context_lens=lens,
-            prefill_bounds=PrefillBounds.from_lens([num_tokens], [num_tokens]),
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device) % getattr(model, "max_position", num_tokens)

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from pagedserve.kernels.prefill_bounds import PrefillBounds
 from pagedserve.server.backend import Backend
 from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.scheduler import ScheduledRequest
@@ -318,8 +317,6 @@ class ModelRunner:
             prefill_block_tables=to(table_t[num_decodes:]),
             prefill_cu_seqlens_q=to(cu_seqlens),
             prefill_context_lens=to(lens_t[num_decodes:]),
-            prefill_bounds=PrefillBounds.from_lens(prefill_lens, context_lens[num_decodes:])
-            if prefills else None,
         )
         return StepInputs(
             model=ModelInputs(to(torch.tensor(token_ids, dtype=torch.long)), to(position_t), meta),

@@ -12,7 +12,7 @@ import pagedserve.kernels as triton_kernels
 import pytest
 import torch
 from gpu_helpers import GPU
-from pagedserve.kernels import cudnn_prefill, reference
+from pagedserve.kernels import reference
 from pagedserve.kernels.testing import hide_blocks_outside_window, make_paged_case
 from transformers import LlamaConfig
 
@@ -70,41 +70,6 @@ def test_paged_attention_prefill(block_size, num_heads, num_kv_heads, head_dim, 
     assert_close(triton_kernels.paged_attention_prefill(*args), expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
-def test_whole_prompts_attend_to_their_own_keys(num_heads, num_kv_heads, head_dim, dtype, monkeypatch):
-    """Every chunk a whole prompt, as the engine calls it (the batch's bounds, the chunks' own K/V): cuDNN
-    reads the chunks' K/V as given, and equals the reference on the cache."""
-    lens = [1, 64, 1500, 700, 2048, 97]
-    case = make_paged_case(lens, num_heads, num_kv_heads, head_dim, 16, dtype, CUDA, q_lens=lens)
-    args = (case.q_prefill, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
-            case.context_lens, head_dim**-0.5)
-    bounds = case.prefill_bounds()
-    assert bounds.whole_prompts and cudnn_prefill.takes(case.q_prefill, case.k_cache, bounds, None, None)
-    # What stays on the Triton kernel: an FP8 cache (read as it holds), soft-capping, windows.
-    fp8_cache = case.k_cache.to(torch.float8_e4m3fn)
-    assert not cudnn_prefill.takes(case.q_prefill, fp8_cache, bounds, None, None)
-    assert not cudnn_prefill.takes(case.q_prefill, case.k_cache, bounds, None, 30.0)
-    assert not cudnn_prefill.takes(case.q_prefill, case.k_cache, bounds, 1000, None)
-    chunk_kv = case.context_kv()
-    expected = reference.paged_attention_prefill(*fp32(*args))
-    engine = dict(bounds=bounds, chunk_kv=chunk_kv)
-    assert_close(triton_kernels.paged_attention_prefill(*args, **engine), expected, dtype)
-    # The chunks' values, not the cache's: zeroed V gives zero outputs.
-    zeros = (chunk_kv[0], torch.zeros_like(chunk_kv[1]))
-    assert triton_kernels.paged_attention_prefill(*args, bounds=bounds, chunk_kv=zeros).abs().max() == 0
-    # Strided chunk K/V, as slices of the fused qkv projection are: the same result.
-    qkv = torch.cat([case.q_prefill.flatten(1), chunk_kv[0].flatten(1), chunk_kv[1].flatten(1)], dim=1)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
-    views = (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-             v.view(-1, num_kv_heads, head_dim))
-    strided = triton_kernels.paged_attention_prefill(views[0], *args[1:], bounds=bounds, chunk_kv=views[1:])
-    assert_close(strided, expected, dtype)
-    # K/V repeated per query head, where a cuDNN build refuses grouped heads: the same result.
-    monkeypatch.setattr(cudnn_prefill, "_expand_kv_heads", True)
-    assert_close(triton_kernels.paged_attention_prefill(*args, **engine), expected, dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("sliding_window", "logit_softcap"),
                          [(1000, None), (None, 50.0), (4096, 30.0)], ids=["window", "softcap", "both"])
@@ -127,7 +92,6 @@ def test_attention_variants(sliding_window, logit_softcap, dtype):
             args = (queries, hidden.k_cache, hidden.v_cache, hidden.block_tables, hidden.cu_seqlens_q,
                     hidden.context_lens, head_dim**-0.5)
             kernel, ref = triton_kernels.paged_attention_prefill, reference.paged_attention_prefill
-            variant["bounds"] = hidden.prefill_bounds()  # as the engine calls it: these stay on Triton
         assert_close(kernel(*args, **variant), ref(*fp32(*args), **variant), dtype)
 
 
