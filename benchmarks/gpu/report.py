@@ -43,12 +43,8 @@ def _tests(folder: Path) -> dict[str, Any] | None:
 def _prefill(data: dict | None) -> dict | None:
     if data is None:
         return None
-    # The engine's path (FlashAttention where it takes the batch) where the run measured it.
-    out = {f"d{dim}": {case: round(row.get("engine_tflops", row["triton_tflops"]), 1)
-                       for case, row in cases.items()}
+    out = {f"d{dim}": {case: round(row["triton_tflops"], 1) for case, row in cases.items()}
            for dim, cases in data["head_dims"].items()}
-    out.update({f"d{dim}_triton": {case: round(row["triton_tflops"], 1) for case, row in cases.items()}
-                for dim, cases in data["head_dims"].items()})
     out.update({f"d{dim}_sdpa_flash": {case: round(row["sdpa_flash_tflops"], 1) for case, row in cases.items()
                                        if "sdpa_flash_tflops" in row}
                 for dim, cases in data["head_dims"].items()})
@@ -98,8 +94,9 @@ def _steps(folder: Path) -> tuple[dict | None, dict | None]:
     return step, ratios
 
 
-def build(folder: Path, date: str) -> dict[str, Any]:
-    """The summary of one run's folder."""
+def build(folder: Path, date: str, note: str | None = None) -> dict[str, Any]:
+    """The summary of one run's folder; ``note``: what the reader must know of how the run relates to
+    the committed code (kept in the JSON as is)."""
     sources = {p.name for p in folder.glob("*.json")} | {p.name for p in folder.glob("*.xml")}
     device = _load(folder, "environment") or {}
     errors = _load(folder, "kernel_errors")
@@ -119,8 +116,9 @@ def build(folder: Path, date: str) -> dict[str, Any]:
         "gpu_busy_share_bs64": busy["gpu_busy_share"] if busy else None,
         "throughput_vs_hf": throughput.get("speedup_output_tokens_per_second") if throughput else None,
         "sources": sorted(sources),
+        "note": note,
     }
-    summary["missing"] = sorted(k for k, v in summary.items() if v is None)
+    summary["missing"] = sorted(k for k, v in summary.items() if v is None and k != "note")
     return summary
 
 
@@ -136,10 +134,9 @@ def table(summary: dict[str, Any]) -> str:
     if prefill:
         for dim in ("d128", "d64"):
             cases = ", ".join(f"{case} {value}" for case, value in prefill.get(dim, {}).items())
-            triton = ", ".join(f"{c} {v}" for c, v in prefill.get(f"{dim}_triton", {}).items())
             flash = ", ".join(f"{c} {v}" for c, v in prefill.get(f"{dim}_sdpa_flash", {}).items())
             rows.append((f"prefill attention {dim}, TFLOP/s",
-                         f"{cases} (Triton kernel alone: {triton}; torch SDPA flash: {flash})"))
+                         f"{cases} (torch SDPA, its default backend: {flash})"))
     steps = summary["decode_step_vs_roofline"]
     if steps:
         rows.append(("batch-1 decode step, Llama-3-8B shape, bf16",
@@ -152,6 +149,11 @@ def table(summary: dict[str, Any]) -> str:
             cells = ", ".join(f"{k} {v['time_over_bf16']}x ({v['weight_bw_fraction']:.0%} of copy bw)"
                               for k, v in kernels.items() if k != "bf16")
             rows.append((f"{shape.removesuffix('_rows1')} projection, 1 row, time over bf16", cells))
+    for shape, launches in (summary["w8a16_decode_tuning"] or {}).items():
+        default, chosen = launches["default"], launches["chosen"]
+        rows.append((f"w8a16 {shape}, 1 row, tuned launch",
+                     f"{default['microseconds']} -> {chosen['microseconds']} us "
+                     f"({chosen['weight_bw_fraction']:.0%} of copy bw)"))
     for key, label in (("gpu_busy_share_bs64", "GPU busy share, batch-64 decode"),
                        ("throughput_vs_hf", "offline throughput over HF")):
         if summary[key] is not None:
@@ -180,8 +182,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=JSON_PATH)
     parser.add_argument("--readme", type=Path, default=README)
     parser.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+    parser.add_argument("--note", default=None, help="kept in the JSON: how the run relates to the code")
     args = parser.parse_args()
-    summary = build(args.folder, args.date)
+    summary = build(args.folder, args.date, args.note)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=1) + "\n")
     write_readme(args.readme, table(summary))

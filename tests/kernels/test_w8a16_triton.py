@@ -67,3 +67,21 @@ def test_fused_reduce_equals_the_reduce_launch(m, n, k):
         assert not split_k.tickets(x.device, 1).any()
     wanted = reference.w8a16_matmul(x, weight, scale, bias)
     assert (expected - wanted).abs().max().item() <= TOLERANCE[torch.float32] * wanted.abs().max().item()
+
+
+def test_tuned_launches_are_launches():
+    """Every entry of kernels/configs/w8a16_decode.json (benchmarks/gpu/tune_w8a16.py's output) is a
+    launch the kernel takes: an ``NxK`` shape, tiles tl.dot accepts, a positive programs-per-SM."""
+    import json
+
+    w8a16 = importlib.import_module("pagedserve.kernels.w8a16_matmul")
+    table = json.loads(w8a16.TUNED_LAUNCHES.read_text())
+    assert table
+    for device, shapes in table.items():
+        for shape, entry in shapes.items():
+            n, k = (int(d) for d in shape.split("x"))
+            launch = w8a16._tuned(device)[shape]
+            assert launch == w8a16.DecodeLaunch(**entry) and n > 0 and k > 0
+            assert launch.block_n >= 16 and launch.block_n & (launch.block_n - 1) == 0
+            assert launch.block_k >= 16 and launch.block_k & (launch.block_k - 1) == 0
+            assert launch.programs_per_sm >= 1 and launch.num_warps in (1, 2, 4, 8, 16)
