@@ -24,6 +24,8 @@
 #   c       offline throughput vs HF Transformers, 256 prompts, Llama-3.2-1B shape
 #   report  benchmarks/results/gpu.json and benchmarks/gpu/README.md's table from the JSON in $OUT (also
 #           runs without a GPU, on results fetched from one: python -m pagedserve.benchmarks.gpu.report DIR)
+# RUN_ALL_SECONDS=N: the whole run within N seconds (a device call's limit): each stage is cut off when the
+# budget is spent, keeping what it wrote, and the stages after it are skipped.
 # Every call first installs the checkout (pip install --no-deps -e .): a fresh machine has torch, triton,
 # transformers, tokenizers, safetensors and pytest-xdist; the server's other packages travel as wheels.
 # Random-weight models are built under $PAGEDSERVE_RANDOM_MODELS (default /tmp/pagedserve-models) and
@@ -67,14 +69,30 @@ pytest_stage() {  # NAME PYTEST-ARGS...: one pytest run with its JUnit XML and f
   fi
 }
 
-log "setup"
-if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1 where the checkout is already installed
-  $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG"
+if [ -z "${RUN_ALL_CHILD:-}" ]; then
+  log "setup"
+  if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1 where the checkout is already installed
+    $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG"
+  fi
+  run $PY -m pagedserve.benchmarks.gpu.common  # $OUT/environment.json: GPU, torch, triton
 fi
-run $PY -m pagedserve.benchmarks.gpu.common  # $OUT/environment.json: GPU, torch, triton
 
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests tune kernels steps a bd c report)
+if [ -n "${RUN_ALL_SECONDS:-}" ]; then
+  # A device call's budget: each stage runs in a child cut off (SIGINT, so benchmarks keep what they
+  # wrote) when the budget is spent; a stage with under 15 s left is skipped. What ran is in $OUT.
+  start=$(date +%s)
+  for stage in "${stages[@]}"; do
+    left=$(( RUN_ALL_SECONDS - ($(date +%s) - start) ))
+    if [ "$left" -lt 15 ]; then log "stage $stage skipped: the budget is spent"; status=1; continue; fi
+    RUN_ALL_CHILD=1 RUN_ALL_SECONDS= timeout -s INT -k 10 "$left" bash "$0" "$stage"
+    rc=$?
+    [ "$rc" -eq 0 ] || { log "stage $stage ended with $rc"; status=1; }
+  done
+  log "done (status $status)"
+  exit $status
+fi
 for stage in "${stages[@]}"; do
   log "stage $stage"
   case "$stage" in
