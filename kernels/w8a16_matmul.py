@@ -54,13 +54,11 @@ def _tuned(device_name: str) -> dict[str, DecodeLaunch]:
 
 
 @functools.cache
-def _launches(n: int, k: int, device: torch.device) -> DecodeLaunch:
-    return _tuned(torch.cuda.get_device_name(device)).get(f"{n}x{k}", DecodeLaunch())
-
-
 def decode_launch(n: int, k: int, device: torch.device) -> DecodeLaunch:
     """The tuned launch for an ``[n, k]`` weight on this GPU, else the default (looked up once)."""
-    return _launches(n, k, device) if device.type == "cuda" else DecodeLaunch()
+    if device.type != "cuda":
+        return DecodeLaunch()
+    return _tuned(torch.cuda.get_device_name(device)).get(f"{n}x{k}", DecodeLaunch())
 
 
 @triton.jit
@@ -136,12 +134,12 @@ def w8a16_matmul_with(
         block_m, block_n, block_k = max(16, next_pow2(m)), launch.block_n, launch.block_k
         tuning = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
         splits, per_split = split_k.plan(n, k, block_n, block_k, x.device, launch.programs_per_sm)
+        fused = splits > 1 and launch.fused_reduce
     else:
         block_m, block_n, block_k = min(BLOCK_M_MAX, next_pow2(m)), BLOCK_N, BLOCK_K
         tuning = {"num_warps": NUM_WARPS}
-        splits, per_split = 1, k
+        splits, per_split, fused = 1, k, False
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
-    fused = splits > 1 and launch is not None and launch.fused_reduce
     parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     _w8a16_kernel[grid](
         x2, weight, scale, bias if bias is not None else scale, out, parts,

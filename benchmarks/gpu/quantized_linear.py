@@ -47,7 +47,7 @@ def layer(kernel: str, n: int, k: int, seed: int) -> tuple[Layer, int]:
         qs, scales, mins = (t.cuda() if t is not None else None for t in random_gguf_blocks(n, k, qtype, gen))
         size = qs.numel() + scales.numel() * 2 + (mins.numel() * 2 if mins is not None else 0)
         return (lambda x: gguf_matmul(x, qs, scales, mins, qtype)), size
-    dense = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    dense = dense_weight(n, k, gen)
     if kernel == "bf16":
         return (lambda x: F.linear(x, dense)), dense.numel() * 2
     if kernel == "fp8":
@@ -57,10 +57,20 @@ def layer(kernel: str, n: int, k: int, seed: int) -> tuple[Layer, int]:
     return (lambda x: w8a16_matmul(x, q8, scale)), q8.numel() + scale.numel() * 4
 
 
+def dense_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A random ``[n, k]`` bf16 weight on the GPU, at a checkpoint's scale."""
+    return (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+
+
+def copies_beyond_l2(nbytes: int) -> int:
+    """How many copies of ``nbytes`` of weights add up to ROTATION_BYTES."""
+    return -(-ROTATION_BYTES // nbytes)
+
+
 def rotation(kernel: str, n: int, k: int) -> tuple[list[Layer], int]:
     """Copies of one layer with their own weights, together more than any L2 cache; their bytes each."""
     first, nbytes = layer(kernel, n, k, seed=0)
-    return [first] + [layer(kernel, n, k, seed)[0] for seed in range(1, -(-ROTATION_BYTES // nbytes))], nbytes
+    return [first] + [layer(kernel, n, k, seed)[0] for seed in range(1, copies_beyond_l2(nbytes))], nbytes
 
 
 def main() -> None:

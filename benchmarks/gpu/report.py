@@ -2,7 +2,7 @@
 output folder (run_all.sh's ``$OUT``): its JUnit XML and the JSON each stage wrote. Runs anywhere, the
 GPU not needed: a session fetches the folder and reports from it here.
 
-    python -m pagedserve.benchmarks.gpu.report DIR [--json benchmarks/results/gpu.json] [--readme PATH]
+    python -m pagedserve.benchmarks.gpu.report DIR [--json PATH] [--readme PATH] [--note TEXT]
 
 A stage that did not run leaves its keys null, with the stage named under ``missing``.
 """

@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 import torch
 from pagedserve.benchmarks.gpu.common import copy_bandwidth, device_info, graph_time, write_result
-from pagedserve.benchmarks.gpu.quantized_linear import ROTATION_BYTES, SHAPES
+from pagedserve.benchmarks.gpu.quantized_linear import SHAPES, copies_beyond_l2, dense_weight
 from pagedserve.kernels.w8a16_matmul import TUNED_LAUNCHES, DecodeLaunch, w8a16_matmul_with
 from pagedserve.server.layers.quantization.int8 import quantize_per_channel
 
@@ -40,11 +40,11 @@ MAX_REL_DIFF = 1e-2  # of the output's largest magnitude; bf16 output rounding o
 
 
 def int8_copies(n: int, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """Copies of one ``[n, k]`` int8 weight and its scales, together more than any L2; each one's bytes."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    """Copies of one ``[n, k]`` int8 weight and its scales (quantized_linear.py's weights and rotation),
+    together more than any L2; each one's bytes."""
+    gen = torch.Generator().manual_seed(0)
     nbytes = n * k + n * 4
-    return [quantize_per_channel(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
-            for _ in range(-(-ROTATION_BYTES // nbytes))], nbytes
+    return [quantize_per_channel(dense_weight(n, k, gen)) for _ in range(copies_beyond_l2(nbytes))], nbytes
 
 
 def tune_shape(n: int, k: int, copy_bw: float) -> tuple[dict, list[dict]]:
