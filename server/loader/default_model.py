@@ -4,8 +4,9 @@
 files with the chat template, generation_config.json) in the user cache. The first call converts the
 GGUF (about half a minute on 2 cores); later calls, in any process, only check a completion marker.
 
-Concurrency: the folder is built in a temporary sibling and renamed into place under a file lock, with
-the marker written last, so a process never sees half a folder even when several servers start at once.
+Concurrency: the folder is built in a temporary sibling and renamed into place under the cache's lock
+(pagedserve/cache.py ``exclusive``), with the marker written last, so a process never sees half a folder
+even when several servers start at once, and a conversion killed midway costs the next start a new one.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+
+from pagedserve.cache import cache_root, exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +33,22 @@ MARKER = ".pagedserve-complete"
 FORMAT_VERSION = 1
 
 
-def cache_root() -> Path:
-    """``$PAGEDSERVE_CACHE``, else ``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``."""
-    explicit = os.environ.get("PAGEDSERVE_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pagedserve"
-
-
 def default_model() -> str:
-    """Path of the default model's Hugging Face folder, converting the bundled GGUF on first use."""
+    """Path of the default model's Hugging Face folder: the install's own conversion (``install_folder``,
+    made when an image is built), else the user cache's, converting the bundled GGUF on first use."""
+    if _is_complete(install_folder()):
+        return str(install_folder())
     target = cache_root() / "models" / DEFAULT_MODEL_NAME
     if _is_complete(target):
         return str(target)
     return str(ensure_converted(_bundled_gguf(), target))
+
+
+def install_folder() -> Path:
+    """Where an install keeps the embedded model converted ahead of time, read-only beside its packages
+    (``python -m pagedserve.server.loader.default_model``, run by the engine image's Dockerfile): a pod
+    then starts without converting, whatever cache volume it mounts."""
+    return Path(sys.prefix) / "share" / "pagedserve" / "models" / DEFAULT_MODEL_NAME
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
@@ -59,14 +63,13 @@ def ensure_converted(gguf_path: Path, target: Path) -> Path:
     """Convert ``gguf_path`` into the HF folder ``target`` unless a complete conversion is already there."""
     if _is_complete(target):
         return target
-    from filelock import FileLock
-
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{target.name}.lock")):
+    with exclusive(target.parent / f".{target.name}.lock", f"converting {gguf_path.name}"):
         if _is_complete(target):  # another process finished while we waited
             return target
         for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):  # left by a killed process
             for stale in target.parent.glob(pattern):
+                logger.warning("Removing %s, left by a conversion that did not finish", stale)
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
@@ -156,7 +159,8 @@ def source_gguf(folder: str | Path) -> Path | None:
     path = marker.get("path") if isinstance(marker, dict) else None
     if path and Path(path).is_file():
         return Path(path)
-    if folder.resolve() == (cache_root() / "models" / DEFAULT_MODEL_NAME).resolve():
+    embedded = (install_folder(), cache_root() / "models" / DEFAULT_MODEL_NAME)
+    if folder.resolve() in {place.resolve() for place in embedded}:
         return _bundled_gguf()
     return None
 
@@ -181,3 +185,8 @@ def _is_complete(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(ensure_converted(_bundled_gguf(), install_folder()))
