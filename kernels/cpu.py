@@ -9,26 +9,26 @@ the KV store stay the references (SDPA's flash kernel and ``index_copy_`` are al
 mixture-of-experts MLP is a grouped torch path (``fused_moe`` below), not the reference's loop, and so
 is batched LoRA (``lora_shrink`` / ``lora_expand``): one matmul per adapter slot, not a weight copy per token.
 
-The C++ is compiled on first use with torch's JIT extension builder (a C++ compiler and ninja are
-needed; the build is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).
-Where it cannot be built, or for dtypes other than float32, the references run, so this module always
-works (the engine then picks the ``torch`` backend outright: server/backend.py).
+The C++ is built ahead of time, one library per ISA level, and this process loads the best level its CPU
+has (kernels/cpu_build.py, kernels/cpu_features.py); a source checkout without that build compiles its
+level once into the user cache. Where neither works, or for dtypes other than float32, the references
+run, so this module always works (the engine then picks the ``torch`` backend outright: server/backend.py).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from . import reference
+from .cpu_build import KernelLibrary, library_for
+from .cpu_features import cpu_features
 from .reference import fp8_matmul, paged_attention_prefill, store_kv_cache
 
 __all__ = [
@@ -50,8 +50,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp", "gguf_cpu.cpp")
 # Rows above which w8a16_matmul dequantizes the matrix and runs the fp32 GEMM. Measured here
 # (benchmarks/quantized_linear.py, benchmarks/README.md): the C++ kernel is 1.6-2.9x oneDNN fp32 at one
 # row, on par at 32, 0.8-1.0x at 64, while dequantizing costs 1.3-15x a 64-row product; at prefill
@@ -59,51 +57,25 @@ SOURCES = ("paged_attention_cpu.cpp", "elementwise_cpu.cpp", "w8a16_cpu.cpp", "g
 W8A16_MAX_NATIVE_ROWS = 128
 
 
-@functools.cache
 def load_extension() -> Any | None:
-    """Build (once per machine and source version) and load the C++ ops; ``None`` if that fails."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    # Compiled for the CPU at hand; the name keys torch's build cache, so each flavour and each version
-    # of the sources builds apart (two checkouts sharing the cache do not rebuild over each other).
-    # F16C (every AVX2 CPU has it) reads the GGUF blocks' float16 scales; AVX512-VNNI gives gguf_cpu.cpp
-    # one dpbusd per block instead of maddubs + madd.
-    simd_flags = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
-    vnni = capability == "AVX512" and _has_avx512_vnni()
-    if vnni:
-        simd_flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-    # -fopenmp: the kernels split their work with at::parallel_for, whose OpenMP pragmas compile to nothing
-    # without it (every kernel ran on one thread whatever torch.set_num_threads said). The runtime it links
-    # is the libgomp.so.1 that torch has already loaded: the same soname, so one thread pool and one
-    # thread count for torch's ops and ours.
-    cflags = ["-O3", "-fopenmp", *simd_flags]
-    sources = hashlib.blake2b(digest_size=6)
-    for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
-        sources.update(path.read_bytes())
-    sources.update(" ".join(cflags).encode())  # a change of flags is a new build too
-    flavour = "avx512vnni" if vnni else "avx2" if simd_flags else "generic"
-    name = f"pagedserve_cpu_kernels_{flavour}_{sources.hexdigest()}"
-    try:
-        from torch.utils.cpp_extension import load
+    """This CPU's build of the C++ ops (kernels/cpu_build.py) as ``torch.ops.pagedserve``, or ``None``."""
+    return None if loaded_library() is None else torch.ops.pagedserve
 
-        logger.info("Loading the CPU kernels (compiled on first use, about 30 s)")
-        load(
-            name,
-            [str(CSRC / source) for source in SOURCES],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            is_python_module=False,
-        )
-        return torch.ops.pagedserve
-    except Exception as error:  # no compiler, no ninja, a read-only cache: the references still work
+
+@functools.cache
+def loaded_library() -> KernelLibrary | None:
+    """The kernel library this process runs, loaded once: prebuilt, or built now into the user cache;
+    ``None`` where neither works (no compiler, a read-only cache), and the torch references run."""
+    features = cpu_features()
+    try:
+        library = library_for(features)
+        torch.ops.load_library(str(library.path))
+    except Exception as error:
         logger.warning("CPU kernels unavailable, using the torch references: %s", error)
         return None
-
-
-def _has_avx512_vnni() -> bool:
-    """AVX512-VNNI, which torch's capability string ("AVX512") does not tell apart."""
-    check = getattr(torch.cpu, "_is_vnni_supported", None)
-    return bool(check()) if check is not None else False
+    logger.info("CPU kernels: the %s build (%s; this CPU: %s)", library.level, library.origin,
+                features.describe())
+    return library
 
 
 def _native(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Any | None:
@@ -170,7 +142,7 @@ def apply_rotary(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Same contract as ``reference.silu_and_mul``, in float32 or bfloat16: the bfloat16 gate/up rows of
-    ``dense_bf16_matmul`` go to the down projection's as bfloat16, with no float32 copy in between."""
+    ``dense_matmul`` go to the down projection's as bfloat16, with no float32 copy in between."""
     ops = _native(x, dtypes=(torch.float32, torch.bfloat16))
     return reference.silu_and_mul(x) if ops is None else ops.silu_and_mul(x)
 
@@ -205,13 +177,13 @@ def fused_moe(
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
-# Rows from which gguf_matmul multiplies by the layer's bfloat16 copy of its blocks (gguf_dense_weight), where
-# it has one. Measured here (AVX512-BF16, 2 threads, the embedded model's 121 GGUF projections and head
-# summed over a decode step, `python -m pagedserve.benchmarks.quantized_linear --gguf-step`): up to 6 rows
-# the int8 kernel reads 4.5 bits a weight against 16 and wins on bytes (1 row: 12.8 against 23.1 ms; 6 rows
-# 22.2 against 24.5); from 8 rows the product is compute-bound and oneDNN's bfloat16 GEMM on the packed copy
-# wins (8 rows: 22.6 against 24.4 ms; 16 rows 28.3 against 41.4; benchmarks/README.md, "Packed bfloat16
-# copies").
+# Rows from which gguf_matmul multiplies by the layer's dense copy of its blocks (gguf_dense_weight), where
+# it has one. Measured on the embedded model's 121 GGUF projections and head summed over a decode step
+# (`python -m pagedserve.benchmarks.quantized_linear --gguf-step`, 2 threads; benchmarks/README.md, "Packed
+# bfloat16 copies" and "Batched GGUF rows on AVX2"): with AVX512-BF16 the int8 kernel reads 4.5 bits a
+# weight against 16 and wins on bytes up to 6 rows (1 row: 12.8 against 23.1 ms; 6 rows 22.2 against 24.5);
+# from 8 rows the product is compute-bound and oneDNN's bfloat16 GEMM on the packed copy wins (8 rows: 22.6
+# against 24.4 ms; 16 rows 28.3 against 41.4). On AVX2 the float32 copy takes over at the same count.
 GGUF_DENSE_ROWS = 8
 
 
@@ -235,14 +207,19 @@ def w8a16_matmul(
 def gguf_dense_weight(
     qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, qtype: int
 ) -> torch.Tensor | None:
-    """The blocks as a bfloat16 matrix ``[N, K]`` (``reference.dequantize_gguf`` rounded to bfloat16, bit
-    for bit) for ``gguf_matmul``'s batched products, or None where this CPU has no native bfloat16 dot
-    product (AVX512-BF16 or AMX: elsewhere oneDNN emulates it, no faster than float32) or the kernels are
-    missing. It costs 2 bytes a weight beside the blocks' 0.56 (Q4_1), still half of float32's 4."""
+    """The blocks as a dense ``[N, K]`` matrix in ``dense_dtype()`` for ``gguf_matmul``'s batched products:
+    ``reference.dequantize_gguf``, rounded to bfloat16 (bit for bit) where the CPU multiplies bfloat16
+    natively, float32 elsewhere; None where the kernels or oneDNN are missing. The bfloat16 copy costs 2
+    bytes a weight beside the blocks' 0.56 (Q4_1), the float32 one 4: the price of batched rows as fast
+    as a float32 model's on a CPU without a bfloat16 dot product (on AVX2 the int8 kernel multiplies each
+    row apart, 1.7-1.9x oneDNN's float32 GEMM at 64 rows; benchmarks/README.md)."""
     ops = load_extension()
-    if ops is None or not native_bf16_gemm() or qs.device.type != "cpu":
+    if ops is None or qs.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    dense = ops.gguf_dequantize_bf16(qs, scales, mins, qtype)
+    if dense_dtype() == torch.bfloat16:
+        dense = ops.gguf_dequantize_bf16(qs, scales, mins, qtype)
+    else:
+        dense = reference.dequantize_gguf(qs, scales, mins, qtype)
     # Packed once into oneDNN's blocked layout (an opaque mkldnn tensor; ``.to_dense()`` gives the matrix
     # back): given a plain matrix, oneDNN repacks it inside every call. Same products bit for bit, 1.2x
     # faster at 64 rows and 2x at 8 here (benchmarks/README.md, "Packed bfloat16 copies"). The batch-size
@@ -250,10 +227,11 @@ def gguf_dense_weight(
     return torch.ops.mkldnn._reorder_linear_weight(dense, 64)
 
 
-def native_bf16_gemm() -> bool:
-    """Whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX)."""
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return native and torch.backends.mkldnn.is_available()
+def dense_dtype() -> torch.dtype:
+    """The dtype of ``gguf_dense_weight``'s copies: bfloat16 where oneDNN multiplies it natively
+    (AVX512-BF16 or AMX), float32 elsewhere (oneDNN emulates bfloat16 there, no faster than float32, or on
+    AVX2 has no bfloat16 inner product at all)."""
+    return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
 
 
 def gguf_matmul(
@@ -267,14 +245,14 @@ def gguf_matmul(
 ) -> torch.Tensor:
     """Same contract as ``reference.gguf_matmul`` below ``GGUF_DENSE_ROWS`` rows, or with no ``dense``:
     ``kernels/csrc/gguf_cpu.cpp``. From that many rows, given the layer's ``dense`` copy
-    (``gguf_dense_weight``), ``x`` (float32 or bfloat16) rounded to bfloat16 times ``dense`` through oneDNN,
-    accumulated in float32 and left in bfloat16 (oneDNN's output takes its inputs' dtype), or float32 with a
-    bias added: the dequantized product with bfloat16 activations, finer than the kernel's int8 blocks, as a
-    bfloat16 model computes it. Its caller converts, or hands the bfloat16 rows to the next product as they
-    are (server/layers/linear.py ``Linear.forward``)."""
+    (``gguf_dense_weight``), ``dense_matmul``: the dequantized product, finer than the kernel's int8
+    activation blocks. With a bfloat16 copy ``x`` (float32 or bfloat16) is rounded to bfloat16, summed in
+    float32 and left in bfloat16 (oneDNN's output takes its inputs' dtype), or float32 with a bias added, as a
+    bfloat16 model computes it; its caller converts, or hands the bfloat16 rows to the next product as they
+    are (server/layers/linear.py ``Linear.forward``). With a float32 copy it is the float32 product."""
     x2 = x.reshape(-1, x.shape[-1])
     if dense is not None and x2.shape[0] >= GGUF_DENSE_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-        out = dense_bf16_matmul(x2, dense, bias)
+        out = dense_matmul(x2, dense, bias)
     else:
         ops = _native(x, *(() if bias is None else (bias,)))
         if ops is None or qs.device.type != "cpu":
@@ -283,9 +261,11 @@ def gguf_matmul(
     return out.view(*x.shape[:-1], qs.shape[0])
 
 
-def dense_bf16_matmul(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """2-D ``x`` rounded to bfloat16 times a bfloat16 ``dense`` (packed or plain), through oneDNN: bfloat16,
-    or float32 with the bias added."""
+def dense_matmul(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """2-D ``x`` rounded to ``dense``'s dtype times ``dense`` (packed or plain), through oneDNN: float32 for a
+    float32 copy; for a bfloat16 one bfloat16, or float32 with the bias added."""
+    if dense.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x.float(), dense, bias, "none", [], "")
     out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), dense, None, "none", [], "")
     return out if bias is None else out.float().add_(bias)
 

@@ -65,15 +65,16 @@ TMP = "/tmp"
 WRITABLE_ENV = {
     "HOME": TMP,
     "TMPDIR": TMP,
-    # server/loader/default_model.py converts the embedded model into $XDG_CACHE_HOME/pagedserve.
+    # Where server/loader/default_model.py converts the embedded model in an image that does not carry it
+    # converted (the project's images do: the Dockerfile).
     "XDG_CACHE_HOME": f"{TMP}/.cache",
 }
-# The engine compiles kernels at startup: Triton (kernels/*.py), torch's C++ extensions (kernels/cpu.py)
-# and torch.compile, each into its own cache.
+# The engine compiles kernels at startup: Triton (kernels/*.py) and torch.compile, each into its own cache.
+# The C++ CPU kernels come built in the image (kernels/cpu_build.py); a custom image without them builds
+# its CPU's level into $XDG_CACHE_HOME/pagedserve.
 ENGINE_WRITABLE_ENV = {
     "TRITON_HOME": TMP,
     "TRITON_CACHE_DIR": f"{TMP}/triton-cache",
-    "TORCH_EXTENSIONS_DIR": f"{TMP}/.cache/torch_extensions",
     "TORCHINDUCTOR_CACHE_DIR": f"{TMP}/torchinductor",
 }
 

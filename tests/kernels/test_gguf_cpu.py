@@ -120,8 +120,8 @@ def test_dense_copy_is_the_dequantized_blocks_in_bfloat16_bit_for_bit(qtype, n, 
     assert bool(actual[0, :32].isnan().all())
     assert torch.equal(actual.view(torch.int16)[:, 32:], expected.view(torch.int16)[:, 32:])
     assert torch.equal(actual.view(torch.int16)[1:], expected.view(torch.int16)[1:])
-    packed = cpu.gguf_dense_weight(qs, scales, mins, qtype)  # what a layer keeps, on a native-bf16 CPU
-    if packed is not None:
+    if cpu.dense_dtype() == torch.bfloat16:  # what a layer keeps on this CPU: the same, packed
+        packed = cpu.gguf_dense_weight(qs, scales, mins, qtype)
         assert packed.is_mkldnn and torch.equal(packed.to_dense().view(torch.int16), actual.view(torch.int16))
 
 
@@ -129,67 +129,31 @@ def test_dense_copy_is_the_dequantized_blocks_in_bfloat16_bit_for_bit(qtype, n, 
 @pytest.mark.parametrize("rows", [cpu.GGUF_DENSE_ROWS - 1, cpu.GGUF_DENSE_ROWS, 129])
 @pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
 def test_batched_rows_multiply_by_the_dense_copy(qtype, rows):
-    """From GGUF_DENSE_ROWS rows the product is x in bfloat16 times the dense copy, summed in float32 and
-    rounded to bfloat16 (within half a bfloat16 step, at most 2**-8 relative, of the float32 sum); below
-    it the int8 kernel's, dense copy or not."""
+    """From GGUF_DENSE_ROWS rows the product is x times the layer's dense copy. A bfloat16 copy (CPUs with
+    a native bfloat16 dot product) takes x rounded to bfloat16, sums in float32 and rounds to bfloat16
+    (within half a bfloat16 step, at most 2**-8 relative, of the float32 sum); a float32 copy (every other
+    CPU) is the float32 product of the dequantized blocks. Below it the int8 kernel's, copy or not."""
     gen = torch.Generator().manual_seed(rows + qtype)
     qs, scales, mins = random_blocks(96, 576, qtype, gen)
     x, b = torch.randn(rows, 576, generator=gen), torch.randn(96, generator=gen)
-    # The copy as layers keep it (packed into oneDNN's layout) where this CPU makes one, else plain.
-    dense = cpu.gguf_dense_weight(qs, scales, mins, qtype)
-    if dense is None:
-        dense = cpu.load_extension().gguf_dequantize_bf16(qs, scales, mins, qtype)
+    dense = cpu.gguf_dense_weight(qs, scales, mins, qtype)  # as layers keep it: packed for oneDNN
+    assert dense is not None and dense.is_mkldnn and dense.dtype == cpu.dense_dtype()
     actual = cpu.gguf_matmul(x, qs, scales, mins, qtype, b, dense=dense)
-    if rows >= cpu.GGUF_DENSE_ROWS:
+    if rows < cpu.GGUF_DENSE_ROWS:
+        expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
+        torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    elif dense.dtype == torch.bfloat16:
         product = x.to(torch.bfloat16).float() @ dense.to_dense().float().T
         torch.testing.assert_close(actual - b, product, atol=1e-5 * product.abs().max().item(), rtol=2**-8)
     else:
-        expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
-        torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+        expected = x @ reference.dequantize_gguf(qs, scales, mins, qtype).T + b
+        torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
 
 
-def test_no_dense_copy_without_a_native_bfloat16_dot_product(monkeypatch):
-    gen = torch.Generator().manual_seed(10)
-    qs, scales, mins = random_blocks(8, 64, reference.GGUF_Q4_1, gen)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert cpu.gguf_dense_weight(qs, scales, mins, reference.GGUF_Q4_1) is None
-
-
-AVX2_FLAVOUR = """
-import torch
-from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
-cpu._has_avx512_vnni = lambda: False  # the flavour a CI machine without AVX512-VNNI builds
-ops = cpu.load_extension()
-worst = 0.0
-for qtype in GGUF_TYPES.values():
-    for m, n, k in [(1, 960, 576), (3, 37, 64), (70, 66, 1536)]:
-        gen = torch.Generator().manual_seed(m + n + k + qtype)
-        qs, scales, mins = random_gguf_blocks(n, k, qtype, gen)
-        x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-        expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
-        actual = ops.gguf_matmul(x, qs, scales, mins, qtype, b)
-        worst = max(worst, ((actual - expected).abs().max() / expected.abs().max()).item())
-        dense = reference.dequantize_gguf(qs, scales, mins, qtype).to(torch.bfloat16)
-        widened = ops.gguf_dequantize_bf16(qs, scales, mins, qtype)
-        if not torch.equal(widened.view(torch.int16), dense.view(torch.int16)):
-            worst = float("inf")  # the scalar dequantization is not the reference's
-print(worst)
-"""
-
-
-@pytest.mark.heavy
-@pytest.mark.skipif(not cpu._has_avx512_vnni(), reason="this machine builds the AVX2 flavour already")
-def test_avx2_flavour_matches_reference_where_vnni_is_built():
-    """On a VNNI machine the tests above run dpbusd; build the maddubs flavour too (a second build, about
-    a minute) so that the path an AVX2-only machine runs is checked here as well."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the checkout's folders must not shadow the stdlib
-    result = subprocess.run([sys.executable, "-c", AVX2_FLAVOUR], capture_output=True, text=True, timeout=900,
-                            env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert float(result.stdout.strip().splitlines()[-1]) < 1e-5
+def test_the_dense_copy_is_bfloat16_only_with_a_native_bfloat16_dot_product(monkeypatch):
+    features = cpu.cpu_features()
+    without = type(features)(features.flags - {"avx512_bf16", "amx_bf16"}, "avx2")
+    monkeypatch.setattr(cpu, "cpu_features", lambda: without)
+    assert cpu.dense_dtype() == torch.float32
+    monkeypatch.setattr(cpu, "cpu_features", lambda: type(features)(features.flags | {"avx512_bf16"}, None))
+    assert cpu.dense_dtype() == torch.bfloat16

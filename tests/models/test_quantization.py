@@ -159,11 +159,9 @@ def test_gguf_weights_are_the_files_blocks(default_model_path: str) -> None:
         assert module.weight.dtype == torch.uint8 and module.gguf_type in (GGUF_Q4_1, GGUF_Q8_0)
         blocks = dequantize_gguf(module.weight, module.weight_scales, module.weight_mins, module.gguf_type)
         assert torch.equal(blocks, expected[name]), name
-        # The bfloat16 copy batched products use, where this CPU has a native bfloat16 dot product.
-        if cpu_kernels.native_bf16_gemm():
-            assert torch.equal(module.weight_dense.to_dense(), expected[name].to(torch.bfloat16)), name
-        else:
-            assert module.weight_dense is None
+        # The copy batched products use: bfloat16 where this CPU has a native bfloat16 dot product,
+        # float32 elsewhere (kernels/cpu.py dense_dtype).
+        assert torch.equal(module.weight_dense.to_dense(), expected[name].to(cpu_kernels.dense_dtype())), name
     ids = torch.tensor([[0, 5, 49151]])
     assert torch.equal(head(ids), F.embedding(ids, expected["head"]))
 
