@@ -107,3 +107,18 @@ def _torch() -> Backend:
     from pagedserve.kernels import reference
 
     return Backend("torch", reference, supports_cuda_graphs=False)
+
+
+def cpu_kernel_report(backend_name: str | None) -> dict[str, str] | None:
+    """What /version says of the C++ CPU kernels (server/api/protocol.py ``CpuKernels``): which ISA level's
+    build runs, where it came from, the CPU as the kernels see it and the dtype of batched GGUF rows'
+    copies. None unless the ``cpu`` backend runs, whose choice loaded them already."""
+    if backend_name != "cpu":
+        return None
+    from pagedserve.kernels import cpu
+
+    library = cpu.loaded_library()
+    if library is None:
+        return None
+    return {"level": library.level, "origin": library.origin, "cpu": cpu.cpu_features().describe(),
+            "gguf_dense_dtype": str(cpu.dense_dtype()).removeprefix("torch.")}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,8 @@ class EngineConfig:
     # included, on one CPU rank (checkpoint_quantization); a model folder, or a converted .gguf's folder,
     # is its float tensors.
     quantization: str | None = None
+    # Why the weights run in ``quantization`` (set by __post_init__; /version reports it).
+    quantization_reason: str = field(default="", init=False)
     # Many LoRA adapters on the base model (server/lora/): max_loras device slots (distinct adapters per
     # step), adapters up to max_lora_rank, a CPU cache of max_cpu_loras (None: max_loras) read adapters,
     # and adapters registered at start (LoRAModulePath, or its "name=path" / JSON text).
@@ -117,7 +119,9 @@ class EngineConfig:
             raise ValueError("calculate_kv_scales needs an fp8 kv_cache_dtype (the scales of an "
                              f"{self.kv_cache_dtype!r} cache do nothing)")
         if self.quantization is None:
-            self.quantization = self.checkpoint_quantization()
+            self.quantization, self.quantization_reason = self.checkpoint_quantization()
+        else:
+            self.quantization_reason = "asked for (quantization / --quantization)"
         if self.quantization is not None:
             from pagedserve.server.layers.quantization import QUANTIZATION_METHODS
 
@@ -136,16 +140,23 @@ class EngineConfig:
             )
         self._check_tensor_parallel()
 
-    def checkpoint_quantization(self) -> str | None:
-        """The mode a model given without one runs in: its GGUF blocks for a .gguf file (None: the
-        embedded model's), on a CPU and one rank. gguf is the fastest mode there whose quality holds
-        (benchmarks/README.md, "The embedded model's default mode"; tests/models/test_quantization.py). On a
-        GPU the Triton GGUF kernel is slower than the bfloat16 GEMM (benchmarks/README.md, "On a GPU"), and
-        under tensor parallelism the blocks are not split, so float weights there."""
+    def checkpoint_quantization(self) -> tuple[str | None, str]:
+        """The mode a model given without one runs in, and why: its GGUF blocks for a .gguf file (None: the
+        embedded model's) on a CPU and one rank, as vLLM runs a GGUF file. gguf is the fastest mode there
+        whose quality holds, on every CPU kind measured (benchmarks/README.md, "The embedded model's default
+        mode"; tests/models/test_quantization.py): its batched rows go through a dense copy in the fastest
+        dtype the CPU multiplies (kernels/cpu.py ``dense_dtype``). On a GPU the Triton GGUF kernel is slower
+        than the bfloat16 GEMM (benchmarks/README.md, "On a GPU"), and under tensor parallelism the blocks
+        are not split, so float weights there."""
         gguf_file = self.model is None or (self.model.endswith(".gguf") and Path(self.model).is_file())
-        on_one_cpu = self.tensor_parallel_size == 1 and self.device in ("auto", "cpu") and (
-            self.torch_device.type == "cpu")
-        return "gguf" if gguf_file and on_one_cpu else None
+        if not gguf_file:
+            return None, "the checkpoint's float weights (no quantization asked for)"
+        if self.tensor_parallel_size != 1:
+            return None, "float weights: GGUF blocks are not split across tensor-parallel ranks"
+        if self.device not in ("auto", "cpu") or self.torch_device.type != "cpu":
+            return None, "float weights: on a GPU the bfloat16 GEMM is faster than the GGUF kernel"
+        return "gguf", ("the GGUF file's own blocks: on a CPU the fastest mode at equal quality, "
+                        "single-stream and batched (benchmarks/README.md)")
 
     def _check_tensor_parallel(self) -> None:
         """What does not run split across ranks yet is refused here, never run wrong."""

@@ -145,12 +145,15 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
+        from pagedserve.server.backend import cpu_kernel_report
         from pagedserve.server.models.registry import supported_architectures
 
         return VersionResponse(
             version=__version__,
             backend=engine.config.attention_backend,
+            cpu_kernels=cpu_kernel_report(engine.config.attention_backend),
             quantization=engine.config.quantization,
+            quantization_reason=getattr(engine.config, "quantization_reason", None) or None,
             kv_cache_dtype=engine.config.kv_cache_dtype,
             kv_offloading_size=getattr(engine.config, "kv_offloading_size", None),
             kv_offloading_backend=getattr(engine.config, "kv_offloading_backend", None),

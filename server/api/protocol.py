@@ -683,10 +683,21 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_int_id: int | None = None  # vLLM accepts it; the name alone decides here
 
 
+class CpuKernels(OpenAIBaseModel):
+    """The C++ CPU kernels an engine with the cpu backend runs (kernels/cpu_build.py)."""
+
+    level: str  # the ISA level of the build loaded: "avx512vnni" | "avx2" | "generic"
+    origin: str  # "prebuilt" (built with the package or image) | "cache" (built at first start)
+    cpu: str  # this CPU's best level and bfloat16 units, as the kernels see them
+    gguf_dense_dtype: str  # the dtype of batched GGUF rows' dense copies: "bfloat16" | "float32"
+
+
 class VersionResponse(OpenAIBaseModel):
     version: str
     backend: str | None = None  # the engine's kernel backend: "triton" | "cpu" | "torch"
+    cpu_kernels: CpuKernels | None = None  # with the cpu backend: which build runs, and for which CPU
     quantization: str | None = None  # the weights' quantization mode ("int8", "fp8", "gguf"), None
+    quantization_reason: str | None = None  # why that mode (asked for, or the checkpoint's default)
     kv_cache_dtype: str = "auto"  # the KV cache's element type: "auto" (the model's dtype) or "fp8"
     kv_offloading_size: float | None = None  # GiB of the CPU KV tier (--kv-offloading-size); None: off
     kv_offloading_backend: str | None = None  # "native" when the tier is on
