@@ -58,7 +58,7 @@ test: setup tools
 	$(BIN)/pytest -q tests -m "not heavy"
 
 # The tests marked heavy (pyproject.toml): the draft-model variants of speculative decoding, the Triton
-# kernels under the interpreter, a second CPU kernel build, tensor parallelism over three ranks and the
+# kernels under the interpreter, tensor parallelism over three ranks and the
 # router fuzz; about five minutes kept out of `make test` so that stays near 15.
 test-heavy: setup tools
 	$(BIN)/pytest -q tests -m heavy

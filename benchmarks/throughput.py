@@ -36,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len-range", default="20:400", help="prompt tokens, uniform in LO:HI")
     parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform in LO:HI")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compare", choices=("none", "hf"), default="none", help="also run HF Transformers")
+    parser.add_argument(
+        "--compare", default="none", type=_sides,
+        help="comma-separated: hf (also run HF Transformers), float-weights (also run the engine on the "
+             "model's float weights, the converted folder: what the default mode must beat), or none",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the HF run")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (both runs)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (both runs)")
@@ -50,6 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up calls")
     parser.add_argument("--skip-engine", action="store_true", help="run only the HF side (with --compare hf)")
     parser.add_argument("--result-json", default=None, help="write the figures to this file")
+
+
+COMPARE_SIDES = ("hf", "float-weights")
+
+
+def _sides(text: str) -> frozenset[str]:
+    sides = frozenset(part.strip() for part in text.split(",") if part.strip() not in ("", "none"))
+    if not sides <= set(COMPARE_SIDES):
+        raise argparse.ArgumentTypeError(f"--compare takes none or {', '.join(COMPARE_SIDES)}, got {text!r}")
+    return sides
 
 
 def _resolve(args: argparse.Namespace) -> tuple[str, Any, Any]:
@@ -104,7 +118,11 @@ def hf_token_accounting(workload: list[tuple[list[int], int]], batch_size: int) 
     }
 
 
-def run_engine(workload: list, args: argparse.Namespace, device: Any, dtype: Any) -> dict:
+def run_engine(
+    workload: list, args: argparse.Namespace, device: Any, dtype: Any, float_weights: str | None = None
+) -> dict:
+    """The engine on the model as the user named it, or on ``float_weights`` (a folder of float tensors:
+    no quantization unless --quantization names one)."""
     from pagedserve import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {"dtype": str(dtype).replace("torch.", ""), "device": device.type}
@@ -113,12 +131,12 @@ def run_engine(workload: list, args: argparse.Namespace, device: Any, dtype: Any
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     kwargs["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.quantization:
+    if args.quantization and float_weights is None:
         kwargs["quantization"] = args.quantization
     t = time.perf_counter()
     # The model as the user named it (None: the embedded one), so its default mode is the server's; HF
     # reads the converted folder.
-    llm = LLM(model=args.model, **kwargs)
+    llm = LLM(model=float_weights or args.model, **kwargs)
     load_s = time.perf_counter() - t
     if args.warmup:
         llm.generate(
@@ -223,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         datasets.parse_range(args.output_len_range)
         if args.num_prompts < 1 or args.hf_batch_size < 1:
             raise ValueError("--num-prompts and --hf-batch-size must be >= 1")
-        if args.skip_engine and args.compare != "hf":
+        if args.skip_engine and "hf" not in args.compare:
             raise ValueError("--skip-engine needs --compare hf")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -257,7 +275,15 @@ def run(args: argparse.Namespace) -> int:
         result["pagedserve"] = run_engine(workload, args, device, dtype)
         mode = result["pagedserve"]["quantization"]
         print(_line("pagedserve", result["pagedserve"]), f"[quantization: {mode}]", flush=True)
-    if args.compare == "hf":
+    if "float-weights" in args.compare:
+        result["float_weights"] = run_engine(workload, args, device, dtype, float_weights=model_path)
+        print(_line("float wts", result["float_weights"]), flush=True)
+        if "pagedserve" in result:
+            ratio = result["pagedserve"]["output_tokens_per_second"] / result["float_weights"][
+                "output_tokens_per_second"]
+            result["speedup_over_float_weights"] = ratio
+            print(f"Speed-up of the default mode over the float weights (output tokens/s): {ratio:.2f}x")
+    if "hf" in args.compare:
         result["hf"] = run_hf(model_path, workload, args, device, dtype)
         h = result["hf"]
         print(_line("HF", h), flush=True)

@@ -8,7 +8,8 @@ a memory emptyDir: a tmpfs of its sizeLimit), all capabilities dropped, no privi
 network is the host's, and only its loopback is used (the listen addresses are 127.0.0.1).
 
 - the CPU server image answers through the router in the control image (``DEMO_ANSWER``) and runs the C++
-  kernels (/version says backend "cpu", which falls back to "torch" where they cannot build);
+  kernels built into it (/version says backend "cpu" and prebuilt kernels) and the embedded model
+  converted into it (no conversion in the engine's log);
 - the control image has no torch and starts the operator far enough to show its imports and entry point
   (up to kopf's login, which fails without a cluster);
 - every image's size is printed.
@@ -22,14 +23,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from kubernetes.utils.quantity import parse_quantity
 from pagedserve.operator.resources import DEFAULT_CPU_IMAGE, DEFAULT_IMAGE, DEFAULT_ROUTER_IMAGE
 
 from pagedserve.testing import pods
+from pagedserve.testing.images import NAME_PREFIX, PODMAN, podman_run
 from pagedserve.testing.net import free_port
 from pagedserve.testing.processes import DEMO_ANSWER, ManagedProcess, ServerProcess
 
@@ -39,10 +39,7 @@ pytestmark = [
         not os.environ.get("PAGEDSERVE_IMAGE_TEST"), reason="`make image-test` runs it, after `make images`"
     ),
 ]
-# crun, podman's default runtime, refuses the cgroup layout of the machines this runs on.
-PODMAN = ["podman", "--runtime", "runc"]
 IMAGES = (DEFAULT_IMAGE, DEFAULT_CPU_IMAGE, DEFAULT_ROUTER_IMAGE)
-NAME_PREFIX = "pagedserve-image-test"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,35 +49,6 @@ def images_present() -> None:
     missing = [tag for tag in IMAGES if subprocess.run([*PODMAN, "image", "exists", tag]).returncode != 0]
     if missing:
         pytest.fail(f"no image {', '.join(missing)}: run `make images` first", pytrace=False)
-
-
-def podman_run(pod: dict[str, Any], argv: list[str], workdir: Path) -> list[str]:
-    """`podman run` of the rendered container's image as in its pod, running ``argv`` (its first word as
-    the entry point)."""
-    container, security = pod["container"], pod["securityContext"]
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
-    uid, gid, fs_group = security["runAsUser"], security["runAsGroup"], security["fsGroup"]
-    name = f"{NAME_PREFIX}-{container['name']}-{os.getpid()}"
-    run = [*PODMAN, "run", "--rm", "--name", name, "--network", "host", "--user", f"{uid}:{gid}"]
-    # --read-only-tmpfs=false: podman would otherwise mount writable tmpfs on /tmp, /var/tmp and /run.
-    run += ["--read-only", "--read-only-tmpfs=false", "--group-add", str(fs_group)]
-    run += ["--cap-drop", "all", "--security-opt", "no-new-privileges"]
-    volumes = {volume["name"]: volume for volume in pod["volumes"]}
-    for mount in container["volumeMounts"]:
-        empty_dir = volumes[mount["name"]]["emptyDir"]  # the only kind the CPU pods mount
-        if empty_dir.get("medium") == "Memory":
-            size = int(parse_quantity(empty_dir["sizeLimit"]))
-            run += ["--mount", f"type=tmpfs,destination={mount['mountPath']},tmpfs-size={size}"]
-        else:
-            folder = workdir / f"{container['name']}-{mount['name']}"
-            folder.mkdir()
-            os.chown(folder, uid, fs_group)  # fsGroup makes a pod's volumes its group's
-            folder.chmod(0o2775)
-            run += ["-v", f"{folder}:{mount['mountPath']}"]
-    for item in container["env"]:
-        run += ["-e", f"{item['name']}={pods.env_value(item)}"]
-    return [*run, "--entrypoint", argv[0], container["image"], *argv[1:]]
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +89,9 @@ def test_server_answers_through_the_router(tmp_path: Path, processes: list[Manag
 
     version = httpx.get(f"http://127.0.0.1:{engine_port}/version", timeout=30).json()
     assert version["backend"] == "cpu", (version, processes[0].log_tail())
+    # The image carries what a start would build: the kernels (prebuilt) and the converted model.
+    assert version["cpu_kernels"]["origin"] == "prebuilt", version
+    assert "Converting" not in processes[0].log_text(), processes[0].log_tail()
     answer = pods.ask_demo_question(f"http://127.0.0.1:{router_port}/v1")
     print(f"\n{DEFAULT_CPU_IMAGE} through {DEFAULT_ROUTER_IMAGE}: {answer!r} (backend {version['backend']})")
     assert DEMO_ANSWER in answer, answer

@@ -3,8 +3,9 @@
 The flags come from ``/proc/cpuinfo`` (torch's own checks tell only "AVX2" or "AVX512", not VNNI, BF16
 or AMX apart). ``PAGEDSERVE_CPU_ISA`` caps them, so one machine can run the path a lesser CPU runs:
 ``avx2`` drops every AVX512 and AMX flag, ``generic`` every SIMD flag the kernels use. ``emulation_env``
-is the whole environment of such a run: the same cap for oneDNN (``ONEDNN_MAX_CPU_ISA``) and for
-ATen's own kernels (``ATEN_CPU_CAPABILITY``), read by those libraries when the process starts, so it is
+is the whole environment of such a run: the same cap for oneDNN (``ONEDNN_MAX_CPU_ISA``), ATen's own
+kernels (``ATEN_CPU_CAPABILITY``) and MKL (``MKL_ENABLE_INSTRUCTIONS``), read by those libraries when the
+process starts, so it is
 given to a new process (tests/kernels/test_cpu_isa_matrix.py, benchmarks), never set from inside one.
 """
 
@@ -28,6 +29,7 @@ ISA_LEVELS: dict[str, frozenset[str]] = {
 _CAP_DROPS = {"avx2": ("avx512", "amx"), "generic": ("avx", "fma", "f16c", "amx")}
 _ONEDNN_ISA = {"avx2": "AVX2", "generic": "SSE41"}
 _ATEN_ISA = {"avx2": "avx2", "generic": "default"}
+_MKL_ISA = {"avx2": "AVX2", "generic": "SSE4_2"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ def emulation_env(level: str) -> dict[str, str]:
     """The environment variables that make a new process run as a CPU of ``level`` at most."""
     if level not in _ONEDNN_ISA:
         raise ValueError(f"can emulate {', '.join(_ONEDNN_ISA)}, not {level!r}")
-    return {ISA_ENV: level, "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[level], "ATEN_CPU_CAPABILITY": _ATEN_ISA[level]}
+    return {ISA_ENV: level, "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[level], "ATEN_CPU_CAPABILITY": _ATEN_ISA[level],
+            "MKL_ENABLE_INSTRUCTIONS": _MKL_ISA[level]}
 
 
 def _cpuinfo_flags() -> frozenset[str]:
