@@ -5,8 +5,9 @@ Each side decodes ``--tokens`` tokens (greedy, end-of-sequence ignored) after th
 with the same number of threads, after one untimed warm-up generation; the time of the best of
 ``--repeats`` generations counts, as tok/s = tokens / time (the prompt's prefill is a few ms of it).
 
-- pagedserve: ``LLM(default model, quantization=None | "int8" | "gguf")`` (the fp32 folder converted
-  from the GGUF by server/loader/default_model.py; gguf reads the GGUF's own Q4_1 / Q8_0 blocks).
+- pagedserve: ``make_llm(None | "int8" | "gguf")``: fp32 and int8 on the fp32 folder converted from the
+  GGUF by server/loader/default_model.py (named by path: the model left unnamed runs its GGUF blocks, the
+  default mode), gguf on the GGUF's own Q4_1 / Q8_0 blocks.
 - HF Transformers: ``model.generate`` on the same fp32 folder, ``min_new_tokens = max_new_tokens``.
 - llama.cpp: llama-cpp-python (a benchmark-only peer, never a dependency) on the embedded model's own
   GGUF (Q4_1). In this interpreter when ``llama_cpp`` imports, else through ``--llama-python``, the
@@ -54,10 +55,18 @@ print(json.dumps({"tokens": got, "seconds": best}))
 """
 
 
-def pagedserve_side(quantization: str | None, args: argparse.Namespace) -> dict:
-    from pagedserve import LLM, SamplingParams
+def make_llm(quantization: str | None):
+    """The embedded model in mode ``quantization``; None: its float32 weights, not the default mode."""
+    from pagedserve import LLM, default_model
 
-    llm = LLM(quantization=quantization, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    model = None if quantization == "gguf" else str(default_model())
+    return LLM(model, quantization=quantization, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+
+
+def pagedserve_side(quantization: str | None, args: argparse.Namespace) -> dict:
+    from pagedserve import SamplingParams
+
+    llm = make_llm(quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     best = float("inf")
@@ -119,10 +128,10 @@ def profile(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import SamplingParams
 
     for quantization in (None, "int8", "gguf"):
-        llm = LLM(quantization=quantization, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+        llm = make_llm(quantization)
         llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         engine = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

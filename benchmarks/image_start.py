@@ -6,7 +6,7 @@ emptyDir volumes, as a new pod or a scale-from-zero wake-up gets them), on this 
 Per run: seconds from `podman run` to the first 200 from /health (the readiness probe's path), and to the
 first answer of the demo question; and the start's log lines that say what it built, converted or loaded.
 
-    PYTHONSAFEPATH=1 python -m pagedserve.benchmarks.image_start [--image TAG] [--repeats 3]
+    PYTHONSAFEPATH=1 python -m pagedserve.benchmarks.image_start [--image TAG] [--repeats 3] [--cpu-isa avx2]
 
 Needs podman and the image (`make images`); run as root, as `make image-test` does.
 """
@@ -26,7 +26,7 @@ import httpx
 NOTABLE = ("CPU kernels", "Building", "Converting", "Removing", "Waiting for", "KV cache", "Uvicorn running")
 
 
-def one_start(image: str | None) -> dict[str, float | list[str]]:
+def one_start(image: str | None, cpu_isa: str | None = None) -> dict[str, float | list[str]]:
     from pagedserve.testing import pods
     from pagedserve.testing.images import NAME_PREFIX, PODMAN, podman_run
     from pagedserve.testing.net import free_port
@@ -35,6 +35,12 @@ def one_start(image: str | None) -> dict[str, float | list[str]]:
     engine = pods.containers()["engine"]
     if image:
         engine = {**engine, "container": {**engine["container"], "image": image}}
+    if cpu_isa:  # the pod as a lesser CPU runs it (kernels/cpu_features.py)
+        from pagedserve.kernels.cpu_features import emulation_env
+
+        capped = [{"name": name, "value": value} for name, value in emulation_env(cpu_isa).items()]
+        env = [*engine["container"]["env"], *capped]
+        engine = {**engine, "container": {**engine["container"], "env": env}}
     port = free_port()
     router = pods.containers()["router"]["container"]
     args, _ = pods.loopback_args(engine["container"], router, port, port + 1)
@@ -59,7 +65,7 @@ def one_start(image: str | None) -> dict[str, float | list[str]]:
                 name = f"{NAME_PREFIX}-engine-{os.getpid()}"
                 subprocess.run([*PODMAN, "rm", "--force", "--ignore", name], capture_output=True, timeout=120)
         lines = [line.strip() for line in log_path.read_text().splitlines()
-                 if any(notable in line for notable in NOTABLE)]
+                 if any(notable in line for notable in NOTABLE) and "%|" not in line]  # not progress bars
     return {"ready_s": ready, "answered_s": answered, "log": lines}
 
 
@@ -80,9 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--image", default=None, help="the engine image (default: the operator's)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-isa", default=None, help="run the container as a CPU of this level: avx2")
     args = parser.parse_args(argv)
     for run in range(1, args.repeats + 1):
-        figures = one_start(args.image)
+        figures = one_start(args.image, args.cpu_isa)
         print(f"run {run}: ready {figures['ready_s']:.1f} s, first answer {figures['answered_s']:.1f} s "
               f"after `podman run`; load average {os.getloadavg()[0]:.1f}", flush=True)
         for line in figures["log"]:

@@ -60,8 +60,8 @@ def test_throughput_tiny_against_hf(tmp_path, capsys):
     out = tmp_path / "tp.json"
     args = bench_args(
         throughput,
-        ["--num-prompts", "3", "--input-len-range", "4:12", "--output-len-range", "2:5", "--compare", "hf",
-         "--hf-batch-size", "2", "--result-json", str(out)],
+        ["--num-prompts", "3", "--input-len-range", "4:12", "--output-len-range", "2:5", "--compare",
+         "hf,float-weights", "--hf-batch-size", "2", "--result-json", str(out)],
     )  # fmt: skip
     assert throughput.run(args) == 0
     res = json.loads(out.read_text())
@@ -70,8 +70,17 @@ def test_throughput_tiny_against_hf(tmp_path, capsys):
     assert res["hf"]["output_tokens"] == res["hf"]["counted_output_tokens"] == requested
     assert res["hf"]["generated_tokens"] >= requested
     assert res["speedup_output_tokens_per_second"] > 0
+    # The default mode (gguf, the embedded model's) against its float weights, the same prompts
+    assert res["pagedserve"]["quantization"] == "gguf" and res["float_weights"]["quantization"] is None
+    assert res["float_weights"]["output_tokens"] == requested and res["speedup_over_float_weights"] > 0
     text = capsys.readouterr().out
     assert "pagedserve   Throughput:" in text and "HF           Throughput:" in text and "Speed-up" in text
+    assert "float wts    Throughput:" in text
+
+
+def test_throughput_refuses_an_unknown_side() -> None:
+    with pytest.raises(SystemExit):
+        bench_args(throughput, ["--compare", "hf,vllm"])
 
 
 def _tokenizer(path):
