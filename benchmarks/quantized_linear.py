@@ -27,7 +27,7 @@ from collections.abc import Callable
 # (N, K): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, and the tied LM head 576->49152.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 ROWS = [1, 4, 8, 16, 32, 64]
-GGUF_STEP_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
+GGUF_STEP_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 64]
 
 
 def candidates(x, weight, q, scale) -> dict[str, Callable[[], object]]:

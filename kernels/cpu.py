@@ -178,13 +178,14 @@ def fused_moe(
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
 # Rows from which gguf_matmul multiplies by the layer's dense copy of its blocks (gguf_dense_weight), where
-# it has one. Measured on the embedded model's 121 GGUF projections and head summed over a decode step
-# (`python -m pagedserve.benchmarks.quantized_linear --gguf-step`, 2 threads; benchmarks/README.md, "Packed
-# bfloat16 copies" and "Batched GGUF rows on AVX2"): with AVX512-BF16 the int8 kernel reads 4.5 bits a
-# weight against 16 and wins on bytes up to 6 rows (1 row: 12.8 against 23.1 ms; 6 rows 22.2 against 24.5);
-# from 8 rows the product is compute-bound and oneDNN's bfloat16 GEMM on the packed copy wins (8 rows: 22.6
-# against 24.4 ms; 16 rows 28.3 against 41.4). On AVX2 the float32 copy takes over at the same count.
-GGUF_DENSE_ROWS = 8
+# it has one, by the copy's dtype. Measured on the embedded model's 121 GGUF projections and head summed over
+# a decode step (`python -m pagedserve.benchmarks.quantized_linear --gguf-step`, 2 threads; benchmarks/
+# README.md, "Packed bfloat16 copies" and "Every x86-64 CPU"): with AVX512-BF16 the int8 kernel reads 4.5
+# bits a weight against 16 and wins on bytes up to 6 rows (1 row: 12.8 against 23.1 ms; 6 rows 22.2 against
+# 24.5); from 8 rows the product is compute-bound and oneDNN's bfloat16 GEMM on the packed copy wins (8 rows:
+# 22.6 against 24.4 ms; 16 rows 28.3 against 41.4). A float32 copy on AVX2 draws level at 16 rows (50.0
+# against 51.1 ms) and wins from 20 (57.0 against 57.8; 32 rows 70.7 against 84.7).
+GGUF_DENSE_ROWS = {torch.bfloat16: 8, torch.float32: 16}
 
 
 def w8a16_matmul(
@@ -243,15 +244,16 @@ def gguf_matmul(
     bias: torch.Tensor | None = None,
     dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.gguf_matmul`` below ``GGUF_DENSE_ROWS`` rows, or with no ``dense``:
-    ``kernels/csrc/gguf_cpu.cpp``. From that many rows, given the layer's ``dense`` copy
+    """Same contract as ``reference.gguf_matmul`` below ``GGUF_DENSE_ROWS[dense.dtype]`` rows, or with no
+    ``dense``: ``kernels/csrc/gguf_cpu.cpp``. From that many rows, given the layer's ``dense`` copy
     (``gguf_dense_weight``), ``dense_matmul``: the dequantized product, finer than the kernel's int8
     activation blocks. With a bfloat16 copy ``x`` (float32 or bfloat16) is rounded to bfloat16, summed in
     float32 and left in bfloat16 (oneDNN's output takes its inputs' dtype), or float32 with a bias added, as a
     bfloat16 model computes it; its caller converts, or hands the bfloat16 rows to the next product as they
     are (server/layers/linear.py ``Linear.forward``). With a float32 copy it is the float32 product."""
     x2 = x.reshape(-1, x.shape[-1])
-    if dense is not None and x2.shape[0] >= GGUF_DENSE_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+    batched = dense is not None and x2.shape[0] >= GGUF_DENSE_ROWS[dense.dtype]
+    if batched and x.dtype in (torch.float32, torch.bfloat16):
         out = dense_matmul(x2, dense, bias)
     else:
         ops = _native(x, *(() if bias is None else (bias,)))

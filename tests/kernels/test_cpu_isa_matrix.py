@@ -37,7 +37,11 @@ def test_this_process_runs_the_best_prebuilt_level() -> None:
     assert library.path.parent == cpu_build.PREBUILT
 
 
-@pytest.mark.parametrize("level", list(ISA_LEVELS))
+# The generic level (x86-64 without AVX2, or another architecture) in make test-heavy only.
+LEVELS = [pytest.param(name, marks=pytest.mark.heavy) if name == "generic" else name for name in ISA_LEVELS]
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_each_level_matches_the_references(level: str) -> None:
     features = cpu_features()
     if features.missing(level):

@@ -125,12 +125,16 @@ def test_dense_copy_is_the_dequantized_blocks_in_bfloat16_bit_for_bit(qtype, n, 
         assert packed.is_mkldnn and torch.equal(packed.to_dense().view(torch.int16), actual.view(torch.int16))
 
 
+# The rows around this CPU's threshold (its copies' dtype: kernels/cpu.py dense_dtype).
+DENSE_ROWS = cpu.GGUF_DENSE_ROWS[cpu.dense_dtype()]
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [cpu.GGUF_DENSE_ROWS - 1, cpu.GGUF_DENSE_ROWS, 129])
+@pytest.mark.parametrize("rows", [DENSE_ROWS - 1, DENSE_ROWS, 129])
 @pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
 def test_batched_rows_multiply_by_the_dense_copy(qtype, rows):
-    """From GGUF_DENSE_ROWS rows the product is x times the layer's dense copy. A bfloat16 copy (CPUs with
-    a native bfloat16 dot product) takes x rounded to bfloat16, sums in float32 and rounds to bfloat16
+    """From GGUF_DENSE_ROWS[dtype] rows the product is x times the layer's dense copy. A bfloat16 copy (CPUs
+    with a native bfloat16 dot product) takes x rounded to bfloat16, sums in float32 and rounds to bfloat16
     (within half a bfloat16 step, at most 2**-8 relative, of the float32 sum); a float32 copy (every other
     CPU) is the float32 product of the dequantized blocks. Below it the int8 kernel's, copy or not."""
     gen = torch.Generator().manual_seed(rows + qtype)
@@ -139,7 +143,7 @@ def test_batched_rows_multiply_by_the_dense_copy(qtype, rows):
     dense = cpu.gguf_dense_weight(qs, scales, mins, qtype)  # as layers keep it: packed for oneDNN
     assert dense is not None and dense.is_mkldnn and dense.dtype == cpu.dense_dtype()
     actual = cpu.gguf_matmul(x, qs, scales, mins, qtype, b, dense=dense)
-    if rows < cpu.GGUF_DENSE_ROWS:
+    if rows < DENSE_ROWS:
         expected = reference.gguf_matmul(x, qs, scales, mins, qtype, b)
         torch.testing.assert_close(actual, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
     elif dense.dtype == torch.bfloat16:

@@ -98,11 +98,14 @@ def test_dummy_weights_reach_a_gguf_layer_as_floats(default_model_path: str) -> 
     assert 0.015 < float(down.weight.std()) < 0.025
 
 
+BF16_ROWS = cpu.GGUF_DENSE_ROWS[torch.bfloat16]
+
+
 @pytest.mark.skipif(
     cpu.load_extension() is None or cpu.dense_dtype() != torch.bfloat16,
     reason="float32 copies on this CPU: it has no avx512_bf16 or amx_bf16 (kernels/cpu.py dense_dtype)",
 )
-@pytest.mark.parametrize("rows", [cpu.GGUF_DENSE_ROWS - 1, cpu.GGUF_DENSE_ROWS, 40])
+@pytest.mark.parametrize("rows", [BF16_ROWS - 1, BF16_ROWS, 40])
 def test_the_mlp_keeps_its_batched_rows_in_bfloat16_between_products(rows: int) -> None:
     """From GGUF_DENSE_ROWS rows the gate/up product's bfloat16 rows go through SiLU-and-mul in bfloat16 and
     on to the down product as they are, as a bfloat16 model computes its MLP (no float32 copy whose
@@ -120,7 +123,7 @@ def test_the_mlp_keeps_its_batched_rows_in_bfloat16_between_products(rows: int) 
     x = torch.randn(rows, 64, generator=gen)
     out = mlp(x)
     assert out.dtype == torch.float32
-    if rows < cpu.GGUF_DENSE_ROWS:
+    if rows < BF16_ROWS:
         hidden = cpu.silu_and_mul(mlp.gate_up_proj(x))
         assert hidden.dtype == torch.float32 and torch.equal(out, mlp.down_proj(hidden))
         return

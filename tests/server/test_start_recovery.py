@@ -50,6 +50,7 @@ def test_a_server_killed_while_converting_leaves_nothing_that_stops_the_next(tmp
     assert not list((cache / "models").glob(".SmolLM2-135M-Instruct.tmp-*"))
 
 
+@pytest.mark.heavy
 def test_a_server_started_beside_a_converting_one_waits_for_it(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with fresh_cache_server(tmp_path / "first.log", cache) as first:
