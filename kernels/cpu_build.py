@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     flavours = buildable_flavours()
     key = sources_key()
     if _manifest_key(args.out) != key:  # another torch or other sources: start afresh
-        shutil.rmtree(args.out, ignore_errors=True)
+        for stale in [args.out / MANIFEST, *(args.out / flavour.library_name for flavour in FLAVOURS)]:
+            stale.unlink(missing_ok=True)
     build_into(args.out, flavours, key)
     print(f"CPU kernels for {', '.join(f.level for f in flavours)} in {args.out} "
           f"(python {sysconfig.get_python_version()}, key {key})")
