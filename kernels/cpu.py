@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 W8A16_MAX_NATIVE_ROWS = 128
 
 
+@functools.cache  # every kernel call asks (_native): one lookup, not two calls
 def load_extension() -> Any | None:
     """This CPU's build of the C++ ops (kernels/cpu_build.py) as ``torch.ops.pagedserve``, or ``None``."""
     return None if loaded_library() is None else torch.ops.pagedserve

@@ -99,14 +99,14 @@ def sources_key() -> str:
 def library_for(features: CpuFeatures) -> KernelLibrary:
     """The library of the best level this CPU has: prebuilt if it matches, else built into the cache."""
     flavour = flavour_for(features)
-    key = sources_key()
+    key, prebuilt_key = sources_key(), _manifest_key(PREBUILT)
     prebuilt = PREBUILT / flavour.library_name
-    if _manifest_key(PREBUILT) == key and prebuilt.is_file():
+    if prebuilt_key == key and prebuilt.is_file():
         return KernelLibrary(prebuilt, flavour.level, "prebuilt")
     folder = jit_folder(key)
     library = folder / flavour.library_name
     if not library.is_file():
-        reason = "no prebuilt kernels" if _manifest_key(PREBUILT) is None else "prebuilt for other sources"
+        reason = "no prebuilt kernels" if prebuilt_key is None else "prebuilt for other sources"
         logger.warning("Building the %s CPU kernels into %s (%s in %s; `make setup` or "
                        "`python -m pagedserve.kernels.cpu_build` builds them ahead of time)",
                        flavour.level, folder, reason, PREBUILT)
