@@ -30,8 +30,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED_STATUSES
+
+
+FINISHED_STATUSES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
 
 
 @dataclass(eq=False)
@@ -94,11 +98,11 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        return self.status.value if self.status in FINISHED_STATUSES else None
 
 
 def token_slice(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:

@@ -67,6 +67,8 @@ class KVCacheManager:
         self.null_block: Block | None = self.pool.allocate(1)[0] if sliding_window is not None else None
         self.root_hash = seed_hash(hash_seed)
         self.req_blocks: dict[str, list[Block]] = {}
+        # Each request's block table as ids, kept beside req_blocks so a step reads it without a copy
+        self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered, to skip them
         self.req_num_skipped: dict[str, int] = {}  # leading blocks already behind the window (null)
@@ -84,7 +86,8 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """The request's block table (the live list: read it, never change it)."""
+        return self.req_block_ids.get(request_id, [])
 
     def find_cached_prefix(self, request: Request) -> list[Block | HostHit]:
         """The longest cached prefix of the request's tokens, as blocks for the start of its table.
@@ -143,8 +146,18 @@ class KVCacheManager:
         Returns False when the pool cannot supply the blocks, changing nothing but the return of blocks
         that have fallen out of the sliding window (which are never read again either way).
         """
+        blocks = self.req_blocks.get(request.request_id)
+        if not cached and blocks is not None and self.sliding_window is None:
+            # Most steps of a decode: its blocks hold the new token already (one check, no allocation).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * self.block_size:
+                if self.enable_caching:
+                    self._cache_full_blocks(request, blocks, num_tokens)
+                return True
         cached = cached or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if blocks is None:
+            blocks = self.req_blocks[request.request_id] = []
+            self.req_block_ids[request.request_id] = []
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
         self._free_skipped_blocks(request.request_id, blocks, num_computed)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(cached)
@@ -155,11 +168,14 @@ class KVCacheManager:
         if needed + reclaimed + len(on_host) > self.pool.num_free_blocks or not self._pin(on_host):
             if not blocks:
                 del self.req_blocks[request.request_id]
+                del self.req_block_ids[request.request_id]
             return False
         self.pool.touch(taken)
-        blocks.extend(self._load(cached, on_host))
+        added = self._load(cached, on_host)
         if needed > 0:
-            blocks.extend(self.pool.allocate(needed))
+            added = [*added, *self.pool.allocate(needed)]
+        blocks.extend(added)
+        self.req_block_ids[request.request_id].extend(b.block_id for b in added)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
@@ -198,6 +214,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
         first_real = self.req_num_skipped.pop(request.request_id, 0)
@@ -213,6 +230,8 @@ class KVCacheManager:
         # Oldest first, so evicted first: a windowed prefix hit needs the blocks nearest its end.
         self.pool.free([b for b in blocks[done:skipped] if b is not self.null_block])
         blocks[done:skipped] = [self.null_block] * (skipped - done)
+        assert self.null_block is not None  # a window exists, so it does
+        self.req_block_ids[request_id][done:skipped] = [self.null_block.block_id] * (skipped - done)
         self.req_num_skipped[request_id] = skipped
 
     def _full_block_hashes(self, request: Request) -> list[bytes]:

@@ -392,15 +392,17 @@ class EngineCore:
                        now: float) -> list[SampledToken] | Exception:
         """Append a step's tokens in order until one of them finishes the request; those after it are
         dropped. Accepted drafts count as computed (their KV was written while verifying them)."""
+        if len(tokens) == 1 and request.grammar is None:  # most rows: one token, no grammar to consult
+            self._append_token(request, tokens[0], now)
+            return tokens
         appended: list[SampledToken] = []
         for token in tokens:
             if appended:
                 request.num_computed_tokens += 1  # the previous token was an accepted draft
             if request.grammar is not None and not request.grammar.accept(token.token_id):
                 return RuntimeError(f"the grammar refused token {token.token_id}: {request.grammar.error}")
-            self._append_token(request, token, now)
             appended.append(token)
-            if request.finished:
+            if self._append_token(request, token, now):
                 break
         return appended
 
@@ -417,32 +419,36 @@ class EngineCore:
         self.kv.reset_prefix_cache()
         return StepError(request_ids, exc)
 
-    def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
-        """Append a token (the grammar, if any, took it already) and apply the stops on token ids.
+    def _append_token(self, request: Request, token: SampledToken, now: float) -> bool:
+        """Append a token (the grammar, if any, took it already) and apply the stops on token ids; True
+        when it finished the request.
 
         A complete grammar admits only EOS; taking it ends the request with "stop", even with
         ignore_eos. max_tokens reached before that ends it with "length", its structured output cut
         mid-way (a JSON text then does not parse).
         """
-        if request.num_output_tokens == 0:
+        output_ids = request.output_token_ids
+        if not output_ids:
             request.metrics.first_token_time = now
-            self.prompt_tokens += request.num_prompt_tokens
+            self.prompt_tokens += len(request.prompt_token_ids)
         request.metrics.last_token_time = now
         self.generation_tokens += 1
         token_id = token.token_id
-        request.output_token_ids.append(token_id)
+        output_ids.append(token_id)
         if token_id in request.eos_token_ids or token_id in request.params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             if token_id in request.params.stop_token_ids:
                 request.stop_reason = token_id
         elif request.grammar is not None and request.grammar.finished:
             request.status = RequestStatus.FINISHED_STOPPED
-        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= (
+        elif len(output_ids) >= request.max_tokens or len(request.prompt_token_ids) + len(output_ids) >= (
             self.config.max_model_len or 0
         ):
             request.status = RequestStatus.FINISHED_LENGTH
-        if request.finished:
-            request.metrics.finished_time = now
+        else:
+            return False
+        request.metrics.finished_time = now
+        return True
 
     def _count_lora_request(self, request: Request) -> None:
         if request.lora_request is not None:

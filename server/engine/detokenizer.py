@@ -14,12 +14,27 @@ FastIncrementalDetokenizer rule; it only matters when special tokens are shown).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.server.request import token_slice
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output token, for correct spacing
+
+Decode = Callable[[list[int], bool], str]  # (token ids, skip_special_tokens) -> text
+
+
+def text_decoder(tokenizer: Any) -> Decode:
+    """The tokenizer's ``decode``, straight to the Rust tokenizer of a fast one where transformers would
+    only call it (no clean-up of spaces): the wrapper's argument checks cost more than the decode of a
+    few tokens, twice per token per sequence (transformers' tokenization_utils_tokenizers.py _decode)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    ):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 @dataclass
@@ -35,8 +50,11 @@ class IncrementalDetokenizer:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    decode: Decode | None = None  # text_decoder(tokenizer) unless given (the output processor's, shared)
 
     def __post_init__(self) -> None:
+        if self.decode is None:
+            self.decode = text_decoder(self.tokenizer)
         self.read_offset = len(self.prompt_token_ids)
         self.prefix_offset = max(self.read_offset - CONTEXT_TOKENS, 0)
 
@@ -63,9 +81,10 @@ class IncrementalDetokenizer:
         if not skip and self._follows_added_token(upto):
             self.prefix_offset, self.read_offset = self.read_offset, upto
             return self.added_tokens[self.output_token_ids[-1]]  # type: ignore[index]
-        prefix_text = self.tokenizer.decode(self._slice(self.prefix_offset, self.read_offset),
-                                            skip_special_tokens=skip)
-        full_text = self.tokenizer.decode(self._slice(self.prefix_offset, upto), skip_special_tokens=skip)
+        decode = self.decode
+        assert decode is not None
+        prefix_text = decode(self._slice(self.prefix_offset, self.read_offset), skip)
+        full_text = decode(self._slice(self.prefix_offset, upto), skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         self.prefix_offset = self.read_offset

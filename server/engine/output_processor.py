@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput
-from pagedserve.server.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.server.engine.detokenizer import IncrementalDetokenizer, text_decoder
 from pagedserve.server.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.server.engine.processor import ProcessedRequest
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
@@ -57,7 +57,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples.values())
+        # A list, not all() over a generator: asked of every request each step, mostly with one sample
+        return None not in [sample.finish_reason for sample in self.samples.values()]
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.parent_of: dict[str, str] = {}  # core request id -> the caller's request id
         self._token_text: dict[int, str] = {}  # decode([token_id]) for logprobs, cached
@@ -91,6 +93,7 @@ class OutputProcessor:
                 params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
                 added_tokens=None if params.spaces_between_special_tokens else self._added_tokens,
+                decode=self._decode,
             )
             samples[child.request_id] = SampleState(
                 index, detokenizer, child.metrics, [] if params.logprobs is not None else None
@@ -179,21 +182,19 @@ class OutputProcessor:
     def _decode_one(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_text[token_id] = self._decode([token_id], False)
         return text
 
     # ---- outputs ------------------------------------------------------------------------------------
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
         if state.params.prompt_logprobs is not None and state.prompt_logprobs is None and not state.finished:
             return None  # another sample ran ahead of the first: no output before the prompt logprobs
-        kind = state.params.output_kind
         samples = sorted(state.samples.values(), key=lambda s: s.index)
-        if kind is RequestOutputKind.FINAL_ONLY:
-            if not state.finished:
-                return None
-            completions = [self._cumulative(s, state.params) for s in samples]
-        elif kind is RequestOutputKind.CUMULATIVE:
+        if kind is not RequestOutputKind.DELTA:  # FINAL_ONLY (finished, above) or CUMULATIVE
             completions = [self._cumulative(s, state.params) for s in samples]
         else:
             completions = [

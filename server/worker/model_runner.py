@@ -19,9 +19,11 @@ drafter's own layers (its KV in the same slots), and hands its draw distribution
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from pagedserve.server.backend import Backend
 from pagedserve.server.core.host_tier import KVTransfers
@@ -275,11 +277,25 @@ class ModelRunner:
         spec_indices: list[int] = []
         spec_requests: list[ScheduledRequest] = []
         prompt_rows: list[PromptLogprobRows] = []
+        num_decode_items = len(decodes)
         for index, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
             blocks = block_ids[request.request_id]
-            if index < len(decodes):  # a row per token, attending up to itself
+            if item.num_new_tokens == 1 and not item.spec_token_ids and request.prompt_logprobs is None:
+                # One token and nothing else to do: most rows of a step, so kept to the bare appends.
+                rows.append(len(tables))
+                tables.append(blocks)
+                context_lens.append(start + 1)
+                num_prompt = len(request.prompt_token_ids)
+                token_ids.append(request.prompt_token_ids[start] if start < num_prompt
+                                 else request.output_token_ids[start - num_prompt])
+                positions.append(start)
+                if start + 1 == num_prompt + len(request.output_token_ids):
+                    sample_indices.append(len(token_ids) - 1)
+                    sampled.append(request)
+                continue
+            end = start + item.num_new_tokens
+            if index < num_decode_items:  # a row per token, attending up to itself
                 rows.extend(range(len(tables), len(tables) + item.num_new_tokens))
                 tables.extend([blocks] * item.num_new_tokens)
                 context_lens.extend(range(start + 1, end + 1))
@@ -344,6 +360,12 @@ def _raw(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width)
+    """The tables as one zero-padded int32 matrix, filled through a mask in one numpy call (a Python
+    loop over rows costs more than the step's attention at a few hundred rows)."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lengths.max()) if len(tables) else 0
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    padded[np.arange(width) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum())
+    )
+    return torch.from_numpy(padded)
