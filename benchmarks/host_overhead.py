@@ -13,8 +13,15 @@ running, none prefilling):
 ``--profile`` adds a table of where the host time goes (cProfile over the decode steps, own time per
 function, the top rows).
 
+``--server`` also serves the same model with `pagedserve serve` and sends ``--batch`` concurrent streaming
+/v1/completions requests of the same shape (benchmarks/http_overhead.py's client): output tok/s through
+the whole server. ``--baseline DIR`` runs that server a second time from another install of pagedserve
+(``pip install --no-deps --target DIR <a checkout of the old code>``; it goes first on PYTHONPATH), the
+two alternating, so old and new are measured in one run on the same machine.
+
     python -m pagedserve.benchmarks.host_overhead --batch 64 256
     python -m pagedserve.benchmarks.host_overhead --batch 256 --profile
+    python -m pagedserve.benchmarks.host_overhead --batch 256 --server --baseline /tmp/old-pagedserve
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--profile", action="store_true", help="print where the host time goes")
     p.add_argument("--top", type=int, default=25, help="rows of the profile table")
+    p.add_argument("--server", action="store_true", help="also measure through `pagedserve serve`")
+    p.add_argument("--baseline", default=None, help="an install of the old code to serve side by side")
+    p.add_argument("--repeats", type=int, default=3, help="server runs per side")
     p.add_argument("--output", default=None, help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -104,7 +114,7 @@ def timed_generate(llm: Any, prompts: list[list[int]], output_len: int,
     from pagedserve import SamplingParams
 
     engine = llm.engine
-    timer = StepTimer(engine.core.runner)
+    timer = StepTimer(engine.core.executor.runner)
     inner_step = engine.step
     decode: list[tuple[float, float]] = []
 
@@ -183,6 +193,56 @@ def _short(path: str) -> str:
     return path
 
 
+def serve(model: Path, batch: int, pythonpath: str | None) -> Any:
+    """`pagedserve serve` of the tiny model, as the offline side runs it; ``pythonpath``: another install."""
+    import os
+
+    from pagedserve.testing.processes import serve_process
+
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_API_KEY"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    flags = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--max-num-seqs", str(batch),
+             "--max-model-len", "1024", "--no-enable-prefix-caching", "--disable-log-requests"]
+    log = Path(tempfile.mkstemp(prefix="host-overhead-serve-", suffix=".log")[1])
+    server = serve_process(log, *flags, env=env, stop_timeout_s=60).start()
+    try:
+        server.wait_ready(600.0)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def server_tok_s(model: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Output tok/s through the server at each batch, per side ("new": this install; "baseline")."""
+    import asyncio
+    import random
+
+    from pagedserve.benchmarks.http_overhead import run_http
+
+    sides = {"new": None, **({"baseline": args.baseline} if args.baseline else {})}
+    results: dict[str, list[float]] = {f"{side}@{batch}": [] for side in sides for batch in args.batch}
+    for batch in args.batch:
+        servers = {side: serve(model, batch, path) for side, path in sides.items()}
+        try:
+            rng = random.Random(batch)
+            for repeat in range(args.repeats):
+                prompts = [[rng.randrange(3, 259) for _ in range(args.input_len)] for _ in range(batch)]
+                for side, server in servers.items():
+                    if repeat == 0:  # warm-up
+                        asyncio.run(run_http(server.url, prompts[:4], 4, server.pid))
+                    run = asyncio.run(run_http(server.url, prompts, args.output_len, server.pid))
+                    results[f"{side}@{batch}"].append(run.tok_s)
+                    print(f"server {side}, {batch} concurrent streams: {run.tok_s:.1f} output tok/s",
+                          flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+                server.log_path.unlink(missing_ok=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -203,9 +263,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{figures.generate_host_us_per_token:.1f} host µs per generated token", flush=True)
             if profiler is not None:
                 print(profile_table(profiler, args.top), flush=True)
+        served = server_tok_s(model, args) if args.server else {}
+    for key, runs in served.items():
+        print(f"server {key.replace('@', ', batch ')}: median {statistics.median(runs):.1f} output tok/s "
+              f"of {len(runs)} runs", flush=True)
+    for batch in args.batch if args.baseline and served else []:
+        new, old = (statistics.median(served[f"{side}@{batch}"]) for side in ("new", "baseline"))
+        print(f"server at batch {batch}: new / baseline = {new / old:.2f}x", flush=True)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps([asdict(r) for r in results], indent=2))
+        Path(args.output).write_text(json.dumps({"offline": [asdict(r) for r in results], "server": served},
+                                                indent=2))
     return 0
 
 

@@ -86,7 +86,7 @@ def gguf_step(args: argparse.Namespace, clock) -> None:
     from pagedserve import LLM
 
     llm = LLM(quantization="gguf")
-    model = llm.engine.core.model
+    model = llm.engine.core.executor.model
     layers = [m for m in model.modules() if getattr(m, "weight_dense", None) is not None]
     assert layers, "no dense copies: the CPU kernels or oneDNN are missing (kernels/cpu.py)"
     widths = {layer.gguf_shape[1] for layer in layers}

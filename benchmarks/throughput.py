@@ -152,7 +152,7 @@ def run_engine(
     requested = sum(n for _, n in workload)
     if produced != requested:
         print(f"warning: engine produced {produced} output tokens, {requested} asked", file=sys.stderr)
-    kv_cache_tokens = llm.engine.core.num_blocks * llm.engine.core.config.block_size
+    kv_cache_tokens = llm.engine.core.executor.num_blocks * llm.engine.core.config.block_size
     quantization = llm.engine.core.config.quantization
     del llm, outputs
     gc.collect()

@@ -33,7 +33,7 @@ from pagedserve import LLM, SamplingParams
 
 def decode_bytes(llm: LLM) -> tuple[int, int]:
     """(weight bytes a decode step reads, KV bytes per token of context across all layers)."""
-    model = llm.engine.core.model
+    model = llm.engine.core.executor.model
     params = dict(model.named_parameters())
     total = sum(p.numel() * p.element_size() for p in params.values())
     embed = next(p for n, p in params.items() if "embed_tokens" in n)

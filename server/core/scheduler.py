@@ -6,17 +6,31 @@ token budget and dropped, never the request, when their blocks do not fit. With 
 ``max_loras`` distinct adapters run at once: a waiting request whose adapter would be one too many
 waits (others may pass it), as in vLLM's scheduler. The step's host-tier copies (server/core/host_tier.py),
 planned while allocating, travel with the batch as ``kv_transfers``.
+
+After the step ran, ``update_from_output`` applies what it sampled (vLLM V1's Scheduler does both): each
+request's tokens are appended through the stops (server/core/stops.py), a grammar takes each token first,
+finished requests leave with their blocks, and the token counters the metrics report advance.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
+from pagedserve.server.core.stops import append_token
 from pagedserve.server.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedserve.server.worker.sampler import SampledToken
+
+# What a step sampled, per request: its new tokens (one, or accepted drafts and one more), or the error
+# its row alone raised (server/worker/model_runner.py StepResult)
+Sampled = Sequence[tuple[Request, "list[SampledToken] | Exception"]]
 
 
 @dataclass
@@ -50,20 +64,39 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class StepUpdate:
+    """What ``update_from_output`` made of a step: each request's appended tokens, and the requests whose
+    row failed alone (already aborted), with their errors."""
+
+    appended: list[tuple[Request, list[SampledToken]]] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
+
+
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0,
+        max_model_len: int = 0,
     ) -> None:
-        """``max_loras``: the most distinct LoRA adapters running at once (0: LoRA is off)."""
+        """``max_loras``: the most distinct LoRA adapters running at once (0: LoRA is off).
+        ``max_model_len``: a sequence that reaches it stops ("length")."""
         self.kv = kv
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens = 0  # of requests that got their first token
+        self.generation_tokens = 0
+        self.lora_requests_finished: dict[str, int] = {}  # adapter name -> requests finished
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -149,8 +182,67 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and return its blocks."""
         request.status = status
+        if self.requests.pop(request.request_id, None) is not None and request.lora_request is not None:
+            name = request.lora_request.lora_name
+            self.lora_requests_finished[name] = self.lora_requests_finished.get(name, 0) + 1
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Finish these requests (those still known) and return their blocks now."""
+        now = time.time()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                request.metrics.finished_time = now
+
+    # ---- after the step -----------------------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, sampled: Sampled) -> StepUpdate:
+        """Apply a step's sampled tokens; finished requests leave. A request whose row failed, or whose
+        grammar refused its token, is aborted alone and named in ``failed``."""
+        for item in plan.scheduled:
+            # Drafts count as computed only once accepted, below: a rejected draft's KV slot is rewritten.
+            item.request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
+            item.request.spec_token_ids = []
+        now = time.time()
+        update = StepUpdate()
+        for request, tokens in sampled:
+            appended = tokens if isinstance(tokens, Exception) else self._append_tokens(request, tokens, now)
+            if isinstance(appended, Exception):
+                update.failed[request.request_id] = appended
+                continue
+            if request.finished:
+                self.finish(request, request.status)
+            update.appended.append((request, appended))
+        if update.failed:
+            self.abort(list(update.failed))
+        return update
+
+    def _append_tokens(self, request: Request, tokens: list[SampledToken],
+                       now: float) -> list[SampledToken] | Exception:
+        """Append a step's tokens in order until one of them finishes the request; those after it are
+        dropped. Accepted drafts count as computed (their KV was written while verifying them)."""
+        if not request.output_token_ids:
+            self.prompt_tokens += len(request.prompt_token_ids)
+        if len(tokens) == 1 and request.grammar is None:  # most rows: one token, no grammar to consult
+            self.generation_tokens += 1
+            append_token(request, tokens[0].token_id, now, self.max_model_len)
+            return tokens
+        appended: list[SampledToken] = []
+        for token in tokens:
+            if appended:
+                request.num_computed_tokens += 1  # the previous token was an accepted draft
+            if request.grammar is not None and not request.grammar.accept(token.token_id):
+                if not request.output_token_ids:  # nothing appended: its prompt is not counted yet
+                    self.prompt_tokens -= len(request.prompt_token_ids)
+                return RuntimeError(f"the grammar refused token {token.token_id}: {request.grammar.error}")
+            appended.append(token)
+            self.generation_tokens += 1
+            if append_token(request, token.token_id, now, self.max_model_len):
+                break
+        return appended

@@ -33,7 +33,7 @@ from pagedserve.server.engine.processor import (
     load_tokenizer,
     make_processor,
 )
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -111,9 +111,7 @@ class AsyncEngine:
         self.fatal_error: EngineDeadError | None = None
         self.on_fatal: Callable[[EngineDeadError], None] | None = None
         self._fatal_lock = threading.Lock()  # the watcher and the engine thread may both notice
-        ranks = getattr(core, "ranks", None)
-        if ranks is not None:
-            ranks.on_death = lambda message: self._die(RankDiedError(message))
+        core.on_death(lambda message: self._die(RankDiedError(message)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -181,9 +179,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
-        shutdown_core = getattr(self.core, "shutdown", None)
-        if shutdown_core is not None:  # the other tensor-parallel ranks
-            await asyncio.to_thread(shutdown_core)
+        await asyncio.to_thread(self.core.shutdown)  # the other tensor-parallel ranks
 
     def is_healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
@@ -235,15 +231,9 @@ class AsyncEngine:
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check the adapter off the loop (LoRALoadError with the reason), then hand it to the
         core; requests may name it as soon as this returns (the core gets it before their "add")."""
-        self.processor.register_lora(lora_request)  # a taken name or id is refused before any reading
-        try:
-            lora_manager = getattr(self.core, "lora", None)
-            if lora_manager is None:
-                raise LoRALoadError("LoRA is not enabled: start the engine with --enable-lora.")
-            weights = await asyncio.to_thread(lora_manager.load, lora_request)
-        except BaseException:
-            self.processor.unregister_lora(lora_request.lora_name)
-            raise
+        # A taken name or id is refused before any reading.
+        with self.processor.registering_lora(lora_request):
+            weights = await asyncio.to_thread(self.core.load_lora, lora_request)
         self._send("add_lora", (lora_request, weights))
 
     async def remove_lora(self, lora_name: str) -> LoRARequest:
@@ -290,8 +280,7 @@ class AsyncEngine:
 
     def _on_step_failed(self, core_ids: list[str], exc: BaseException) -> None:
         """The core aborted these samples; fail their whole requests (and only theirs)."""
-        parents = self.output_processor.parent_of
-        for request_id in sorted({parents[i] for i in core_ids if i in parents}):
+        for request_id in self.output_processor.requests_of(core_ids):
             stream = self._streams.get(request_id)
             self._release(request_id, abort=True)  # the request's other samples too
             if stream is not None:
@@ -326,10 +315,8 @@ class AsyncEngine:
 
     def _loop_steps(self) -> None:
         core = self.core
-        check_ranks = getattr(core, "check_ranks", None)
         while not self._stopping.is_set():
-            if check_ranks is not None:
-                check_ranks()
+            core.check_alive()
             self._drain_commands()
             self._hand_over_kv_events()
             if not core.has_unfinished():
@@ -360,7 +347,7 @@ class AsyncEngine:
     def _hand_over_kv_events(self) -> None:
         """The events of the last step (or of a reset), in one batch to the publisher on the loop."""
         if self.kv_events is not None:
-            events = self.core.kv.pool.take_events()
+            events = self.core.take_kv_events()
             if events:
                 self._to_loop(self.kv_events.publish, events)
 

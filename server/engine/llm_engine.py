@@ -28,7 +28,7 @@ class LLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.core.vocab_size
+        return self.processor.vocab_size
 
     def process_inputs(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                        arrival_time: float | None = None,
@@ -40,12 +40,8 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read, check and register an adapter; LoRALoadError (a ValueError) with the reason."""
-        self.processor.register_lora(lora_request)
-        try:
+        with self.processor.registering_lora(lora_request):
             self.core.add_lora(lora_request)
-        except BaseException:
-            self.processor.unregister_lora(lora_request.lora_name)
-            raise
 
     def remove_lora(self, lora_name: str) -> None:
         """KeyError for an unknown name; requests already running finish with it."""
@@ -81,7 +77,7 @@ class LLMEngine:
             raise self._fail(exc) from exc.__cause__
         finally:
             # KV events (enable_kv_events) are published by the server only: offline, none piles up.
-            self.core.kv.pool.take_events()
+            self.core.take_kv_events()
         return self._process(core_outputs)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
@@ -93,8 +89,7 @@ class LLMEngine:
         """The core aborted these samples; abort their requests whole and name those. The step's other
         requests' outputs are processed still and travel with the error."""
         outputs = self._process(exc.outputs)
-        parents = self.output_processor.parent_of
-        request_ids = sorted({parents[i] for i in exc.request_ids if i in parents})
+        request_ids = self.output_processor.requests_of(exc.request_ids)
         for request_id in request_ids:
             self.abort_request(request_id)
         return StepError(request_ids, exc.__cause__ or exc, outputs)

@@ -115,6 +115,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def requests_of(self, core_ids: list[str]) -> list[str]:
+        """The callers' requests these core requests belong to (those still known), in order: when a
+        sample fails, its whole request fails (both engines' one failure path)."""
+        parents = self.parent_of
+        return sorted({parents[i] for i in core_ids if i in parents})
+
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []

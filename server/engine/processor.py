@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +97,17 @@ class Processor:
         if any(known.lora_int_id == lora.lora_int_id for known in self.lora_requests.values()):
             raise LoRALoadError(f"lora_int_id {lora.lora_int_id} is already used by another adapter.")
         self.lora_requests[lora.lora_name] = lora
+
+    @contextmanager
+    def registering_lora(self, lora: LoRARequest) -> Iterator[None]:
+        """``register_lora``, taken back if the body raises (the adapter's files or the core refused it):
+        the one way both engines add an adapter."""
+        self.register_lora(lora)
+        try:
+            yield
+        except BaseException:
+            self.unregister_lora(lora.lora_name)
+            raise
 
     def unregister_lora(self, lora_name: str) -> LoRARequest:
         """The adapter no new request may name; KeyError when none has that name."""
@@ -271,5 +284,5 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         eos_token_ids(core.model_path, tokenizer),
         sampling_defaults(core.model_path, config.generation_config),
         enable_lora=config.enable_lora,
-        lora_requests=core.list_loras(),
+        lora_requests=list(core.executor.registered_loras().values()),
     )

@@ -15,10 +15,17 @@ exist.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.config import SpeculativeConfig
+from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 from pagedserve.server.spec_decode.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from pagedserve.server.core.scheduler import Sampled, ScheduledRequest
 
 EWMA_WEIGHT = 0.3  # weight of the newest step in the acceptance estimate
 FULL_AT = 0.5  # estimate from which the full k is drafted; below it k shrinks in proportion
@@ -31,6 +38,18 @@ class DraftProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)  # vllm:spec_decode_* metrics
+
+    def record(self, scheduled: Sequence[ScheduledRequest], sampled: Sampled) -> None:
+        """Count a step's verified drafts, in the metrics and in each request's acceptance estimate."""
+        drafts = {s.request.request_id: len(s.spec_token_ids) for s in scheduled if s.spec_token_ids}
+        if not drafts:
+            return
+        for request, tokens in sampled:
+            num_drafts = drafts.get(request.request_id)
+            if num_drafts and not isinstance(tokens, Exception):
+                self.stats.record(num_drafts, len(tokens) - 1)
+                record_acceptance(request, num_drafts, len(tokens) - 1)
 
     def propose(self, requests: list[Request], num_running: int) -> None:
         """Set ``spec_token_ids`` of each request for the next step (empty: a plain decode)."""

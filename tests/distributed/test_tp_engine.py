@@ -52,17 +52,17 @@ def test_two_ranks_equal_one(checkpoint: str, request: pytest.FixtureRequest) ->
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     try:
         core = llm.engine.core
-        (worker,) = core.ranks.workers
+        (worker,) = core.executor.ranks.workers
         assert worker.is_alive()
         # Rank 0 holds half the query heads, its KV heads (2/2 or the one replicated) and half the vocab.
-        attention = core.model.model.layers[0].self_attn
+        attention = core.executor.model.model.layers[0].self_attn
         kv_heads = 1  # 2 KV heads: one each; 1 KV head: both hold it
         assert (attention.num_heads, attention.num_kv_heads) == (4, kv_heads)
         assert tuple(attention.qkv_proj.weight.shape) == ((4 + 2 * kv_heads) * 8, 64)
-        assert tuple(core.model.model.layers[0].mlp.gate_up_proj.weight.shape) == (2 * 48, 64)
-        assert tuple(core.model.model.layers[0].mlp.down_proj.weight.shape) == (64, 48)
-        assert tuple(core.model.model.embed_tokens.weight.shape) == (130, 64)  # ceil(259 / 2)
-        assert core.model.attention_layers()[0].k_cache.shape[2] == kv_heads
+        assert tuple(core.executor.model.model.layers[0].mlp.gate_up_proj.weight.shape) == (2 * 48, 64)
+        assert tuple(core.executor.model.model.layers[0].mlp.down_proj.weight.shape) == (64, 48)
+        assert tuple(core.executor.model.model.embed_tokens.weight.shape) == (130, 64)  # ceil(259 / 2)
+        assert core.executor.model.attention_layers()[0].k_cache.shape[2] == kv_heads
         two = _run(llm, prompts)
         assert core.kv.prefix_hits > 0
     finally:
@@ -144,15 +144,15 @@ def test_two_ranks_with_the_host_kv_tier_equal_one(llama_kv2: Path) -> None:
     llm = LLM(str(llama_kv2), tensor_parallel_size=2, **tiny_pool)
     try:
         core = llm.engine.core
-        assert core.num_blocks == 10 and core.runner.host_caches
+        assert core.executor.num_blocks == 10 and core.executor.runner.host_caches
         two = _run(llm, prompts)
         tier = core.stats().kv_offload
         assert tier is not None and tier.hits > 0 and tier.load_bytes > 0, tier
         # Copies outside a forward pass (a step that runs nothing) reach the other rank too, which stays
         # in lock step: the next generate's collectives would fail on a rank that died of the command.
-        core.runner.copy_kv_blocks(KVTransfers(stores=[(0, 0)], loads=[(0, 0)]))
+        core.executor.runner.copy_kv_blocks(KVTransfers(stores=[(0, 0)], loads=[(0, 0)]))
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))
-        core.check_ranks()
+        core.executor.check_alive()
     finally:
         llm.shutdown()
     for (tokens_1, lps_1, _), (tokens_2, lps_2, _) in zip(one, two, strict=True):

@@ -85,5 +85,5 @@ def test_start_up_log_names_the_backend(caplog: pytest.LogCaptureFixture) -> Non
 
     with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory_bytes=1 << 24))
-    assert engine.core.model.attention_layers()[0].kernels is cpu  # the model runs the chosen kernels
+    assert engine.core.executor.model.attention_layers()[0].kernels is cpu  # the model runs these kernels
     assert any("engine ready" in r.message and "backend=cpu" in r.message for r in caplog.records)

@@ -101,14 +101,14 @@ def test_greedy_with_the_pure_torch_backend(
     """The references alone (the oracle of the C++ and Triton kernels) give the same tokens too."""
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
     llm = LLM(model_path)
-    assert llm.engine.core.runner.model.attention_layers()[0].kernels is reference
+    assert llm.engine.core.executor.runner.model.attention_layers()[0].kernels is reference
     assert run_greedy(llm, prompts) == hf_greedy
 
 
 @pytest.fixture
 def computed_tokens(llm: LLM) -> Iterator[list[int]]:
     """Tokens the model actually runs per step, recorded around the runner."""
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     original = runner.execute
     counts: list[int] = []
 
@@ -225,18 +225,18 @@ def test_abort_mid_run_frees_blocks(llm: LLM, prompts: list[list[int]]) -> None:
 
 def test_failed_step_aborts_its_batch_and_engine_goes_on(llm: LLM) -> None:
     engine = llm.engine
-    original = engine.core.runner.execute
+    original = engine.core.executor.runner.execute
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("injected failure")
 
     engine.add_request("doomed", "A doomed request", SamplingParams(max_tokens=4))
-    engine.core.runner.execute = broken  # type: ignore[method-assign]
+    engine.core.executor.runner.execute = broken  # type: ignore[method-assign]
     try:
         with pytest.raises(StepError) as info:
             engine.step()
     finally:
-        engine.core.runner.execute = original  # type: ignore[method-assign]
+        engine.core.executor.runner.execute = original  # type: ignore[method-assign]
     assert info.value.request_ids == ["doomed"]
     assert_no_leak(engine)
     (ok,) = llm.generate("Hello again", SamplingParams(max_tokens=3))

@@ -67,7 +67,7 @@ def test_bytes_per_block_follow_the_cache_dtype():
 
 
 def test_fp8_cache_holds_four_times_the_float32_blocks(auto_llm: LLM, fp8_llm: LLM):
-    auto_core, fp8_core = auto_llm.engine.core, fp8_llm.engine.core
+    auto_core, fp8_core = auto_llm.engine.core.executor, fp8_llm.engine.core.executor
     assert auto_core.backend.name == fp8_core.backend.name == "cpu"  # the C++ reads FP8 itself
     assert fp8_core.num_blocks == 4 * auto_core.num_blocks  # float32 on CPU: 4 bytes an element, FP8 1
     for layer in fp8_core.model.attention_layers():
@@ -112,7 +112,7 @@ def test_greedy_agreement_with_the_model_dtype_cache(auto_llm: LLM, fp8_llm: LLM
 
 def test_calculate_kv_scales_maps_the_first_prefill_amax_to_448(model_path: str):
     llm = LLM(model_path, kv_cache_memory_bytes=KV_BYTES // 8, kv_cache_dtype="fp8", calculate_kv_scales=True)
-    layers = llm.engine.core.model.attention_layers()
+    layers = llm.engine.core.executor.model.attention_layers()
     assert all(layer.calculate_kv_scales for layer in layers)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     for layer in layers:

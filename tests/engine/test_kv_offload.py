@@ -214,7 +214,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def block_bytes(llm: LLM) -> int:
-    return llm.engine.core.block_bytes
+    return llm.engine.core.executor.block_bytes
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def make_llm(model_path: str, tier: bool, **kw: Any) -> LLM:
 @pytest.fixture(scope="module")
 def tier_llm(model_path: str) -> LLM:
     llm = make_llm(model_path, tier=True)
-    assert llm.engine.core.num_host_blocks == HOST_BLOCKS
+    assert llm.engine.core.executor.num_host_blocks == HOST_BLOCKS
     return llm
 
 
@@ -251,7 +251,7 @@ def run_one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture
 def computed_tokens(tier_llm: LLM) -> Iterator[list[int]]:
-    runner = tier_llm.engine.core.runner
+    runner = tier_llm.engine.core.executor.runner
     original = runner.execute
     counts: list[int] = []
 
@@ -312,7 +312,7 @@ def test_a_round_trip_brings_back_the_exact_bytes(
     prompt = [*prefixes[0], 5, 6]
     run_one_by_one(llm, [prompt])
     hashes = _prompt_hashes(core, prompt)
-    layers = core.model.attention_layers()
+    layers = core.executor.model.attention_layers()
 
     def block_kv(block_hash: bytes) -> list[torch.Tensor]:
         block_id = core.kv.pool.lookup(block_hash).block_id
@@ -328,7 +328,7 @@ def test_a_round_trip_brings_back_the_exact_bytes(
         got = block_kv(block_hash)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    for layer, (host_k, _) in zip(layers, core.runner.host_caches, strict=True):
+    for layer, (host_k, _) in zip(layers, core.executor.runner.host_caches, strict=True):
         assert host_k.dtype == layer.k_cache.dtype and host_k.shape[1:] == layer.k_cache.shape[1:]
     assert_no_leak(llm)
 

@@ -293,7 +293,7 @@ def test_self_draft_is_accepted_whole_and_its_cache_follows_the_target(llm: LLM,
         drafted, accepted = (a - b for a, b in zip(spec_counts(spec), before, strict=True))
         assert drafted >= 3 * len(prompts) and accepted >= 0.95 * drafted, (attempt, drafted, accepted)
     assert spec.engine.core.kv.prefix_hits > 0
-    runner = spec.engine.core.runner
+    runner = spec.engine.core.executor.runner
     assert runner.drafter is not None
     runner.drafter.mirror = lambda *args: None  # type: ignore[method-assign]
     spec.engine.core.kv.reset_prefix_cache()

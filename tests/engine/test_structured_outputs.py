@@ -250,11 +250,11 @@ def test_a_bad_spec_is_refused_before_any_step(
     llm: LLM, fields: dict[str, Any], param: str, problem: str
 ) -> None:
     core = llm.engine.core
-    generated = core.generation_tokens
+    generated = core.scheduler.generation_tokens
     with pytest.raises(InvalidRequestError) as refused:
         llm.generate(PROMPT, SamplingParams(structured_outputs=constrained(**fields)))
     assert refused.value.param == param and problem in refused.value.message
-    assert core.generation_tokens == generated and not core.has_unfinished()
+    assert core.scheduler.generation_tokens == generated and not core.has_unfinished()
     (fine,) = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(fine.outputs[0].token_ids) == 4
 

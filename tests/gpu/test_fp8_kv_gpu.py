@@ -119,8 +119,8 @@ def test_engine_fp8_cache_doubles_the_bf16_blocks():
     blocks = {}
     for kv_cache_dtype in ("auto", "fp8"):
         llm = LLM(model=model, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **ENGINE)
-        blocks[kv_cache_dtype] = llm.engine.core.num_blocks
-        assert llm.engine.core.backend.name == "triton"
+        blocks[kv_cache_dtype] = llm.engine.core.executor.num_blocks
+        assert llm.engine.core.executor.backend.name == "triton"
         del llm
     # floor(budget / (block / 2)) is 2 * floor(budget / block), plus one where the bf16 remainder holds
     # half a block (the smollm2-shape model on an H200: 5825 against 2912).

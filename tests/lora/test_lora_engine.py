@@ -59,7 +59,7 @@ def test_mixed_batch_of_base_and_four_adapters_with_two_slots(lora_llm: LLM, lor
     assert tokens(outputs) == expected
     assert all(o.finished for o in outputs)
     assert_no_leak(lora_llm)
-    manager = lora_llm.engine.core.lora
+    manager = lora_llm.engine.core.executor.lora
     assert len(manager.slots) == 2 and len(manager.cpu_cache) <= 3
 
 

@@ -17,6 +17,7 @@ from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.processor import Processor
+from pagedserve.server.lora.request import LoRALoadError
 from pagedserve.server.request import Request
 from pagedserve.server.worker.sampler import SampledToken
 
@@ -101,6 +102,22 @@ class ScriptedCore:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.prompt_tokens += request.num_prompt_tokens
+
+    # What the real core does for tensor parallelism, LoRA and KV events: none of them here.
+    def check_alive(self) -> None:
+        pass
+
+    def on_death(self, callback: object) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def take_kv_events(self) -> list[object]:
+        return []
+
+    def load_lora(self, lora: object) -> None:
+        raise LoRALoadError("LoRA is not enabled: start the engine with --enable-lora.")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -1,0 +1,59 @@
+"""The engine's statistics (server/engine/core_output.py ``EngineStats``), read off the scheduler, the KV
+cache and the executor after a step: what /metrics and the periodic log report (server/api/metrics.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedserve.server.core.scheduler import Scheduler
+from pagedserve.server.engine.core_output import EngineStats, KVOffloadStats, LoRAStats
+from pagedserve.server.executor.executor import Executor
+from pagedserve.server.request import Request
+from pagedserve.server.spec_decode.metrics import SpecDecodingStats
+
+
+def engine_stats(scheduler: Scheduler, executor: Executor, spec: SpecDecodingStats | None) -> EngineStats:
+    kv = scheduler.kv
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        kv_cache_usage=kv.usage(),
+        prefix_cache_queries=kv.prefix_queries,
+        prefix_cache_hits=kv.prefix_hits,
+        kv_offload=_kv_offload_stats(scheduler, executor.block_bytes),
+        num_preemptions=scheduler.num_preemptions,
+        prompt_tokens=scheduler.prompt_tokens,
+        generation_tokens=scheduler.generation_tokens,
+        num_gpu_blocks=executor.num_blocks,
+        block_size=kv.block_size,
+        spec_decoding=spec.snapshot() if spec is not None else None,
+        lora=_lora_stats(scheduler, executor.config.max_loras) if executor.lora is not None else None,
+    )
+
+
+def _lora_stats(scheduler: Scheduler, max_loras: int) -> LoRAStats:
+    return LoRAStats(
+        max_lora=max_loras,
+        running=_adapter_names(scheduler.running),
+        waiting=_adapter_names(scheduler.waiting),
+        requests_finished=dict(scheduler.lora_requests_finished),
+    )
+
+
+def _kv_offload_stats(scheduler: Scheduler, block_bytes: int) -> KVOffloadStats | None:
+    kv = scheduler.kv
+    host = kv.host
+    if host is None:
+        return None
+    return KVOffloadStats(
+        num_cpu_blocks=host.num_blocks,
+        cpu_cache_usage=host.usage(),
+        queries=kv.tier_queries,
+        hits=kv.tier_hits,
+        store_bytes=host.num_stored * block_bytes,
+        load_bytes=host.num_loaded * block_bytes,
+    )
+
+
+def _adapter_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
