@@ -129,6 +129,22 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def argmax_only(self) -> bool:
+        """Greedy, with nothing that changes the logits first and no logprobs: a batch of only such rows
+        is sampled by one argmax (server/worker/sampler.py ``sample_on_device``)."""
+        return (
+            self.temperature < SAMPLING_EPS
+            and self.logprobs is None
+            and not self.min_tokens
+            and not self.logit_bias
+            and not self.allowed_token_ids
+            and not self.bad_words
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and self.repetition_penalty == 1.0
+        )
+
+    @property
     def stop_buffer_length(self) -> int:
         """Characters held back from streamed text so a stop string is never half-emitted."""
         if not self.stop_strings or self.include_stop_str_in_output:

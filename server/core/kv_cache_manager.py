@@ -68,6 +68,7 @@ class KVCacheManager:
         self.root_hash = seed_hash(hash_seed)
         self.req_blocks: dict[str, list[Block]] = {}
         # Each request's block table as ids, kept beside req_blocks so a step reads it without a copy
+        # (the runner indexes it by request id; nobody outside this class changes it)
         self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered, to skip them

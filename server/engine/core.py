@@ -147,10 +147,10 @@ class EngineCore:
         if plan.empty:
             self.executor.copy_kv_blocks(plan)
             return []
-        block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in plan.scheduled}
         active_loras = self.scheduler.active_loras() if self.scheduler.max_loras else None
         try:
-            sampled = self.executor.execute(plan, block_ids, active_loras)
+            # Every request's block table as the KV manager keeps it: read there, never copied per step
+            sampled = self.executor.execute(plan, self.kv.req_block_ids, active_loras)
         except EngineDeadError:
             raise  # a tensor-parallel rank died: no step can run again
         except Exception as exc:

@@ -107,6 +107,9 @@ def sample_each(logits: torch.Tensor, requests: list[Request],
 
 def sample_on_device(logits: torch.Tensor, requests: list[Request],
                      grammar: GrammarBitmask | None = None) -> SamplerOutput:
+    if grammar is None and all(r.params.argmax_only and not r.bad_words_token_ids for r in requests):
+        # The common greedy batch: every step below would leave the logits as they are.
+        return SamplerOutput(logits.argmax(dim=-1), None)
     logits, raw_logprobs = process_logits(logits, requests, grammar)
     return sampler_output(_choose(logits, requests), raw_logprobs, requests)
 

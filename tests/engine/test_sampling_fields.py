@@ -73,15 +73,15 @@ async def test_bad_words_through_the_server(llm: LLM, client: httpx.AsyncClient)
 def doomed_row() -> Iterator[None]:
     """Sampling raises for any batch holding a request whose id starts with "doomed": a failure no
     request check can foresee."""
-    original = sampler._apply_penalties
+    original = sampler.sample_on_device
 
-    def broken(logits: Any, requests: list[Request]) -> Any:
+    def broken(logits: Any, requests: list[Request], grammar: Any = None) -> Any:
         if any(r.request_id.startswith("doomed") for r in requests):
             raise RuntimeError("injected sampling failure")
-        return original(logits, requests)
+        return original(logits, requests, grammar)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sampler, "_apply_penalties", broken)
+        patch.setattr(sampler, "sample_on_device", broken)
         yield
 
 
