@@ -77,3 +77,27 @@ def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:
         assert out.stop_reason == word and not out.text.endswith(word)
     else:
         assert out.finish_reason == "length" and out.token_ids == token_ids
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_fast_decode_is_the_tokenizers_decode(llm: LLM, wordpiece_tokenizer, clean_up: bool) -> None:
+    """``text_decoder`` calls the Rust tokenizer directly where transformers would only pass the call on;
+    its text is ``tokenizer.decode``'s for any ids, special ones included, either skip setting."""
+    import random
+
+    from pagedserve.server.engine.detokenizer import text_decoder
+
+    rng = random.Random(0)
+    for tokenizer in (llm.get_tokenizer(), wordpiece_tokenizer):
+        was = tokenizer.clean_up_tokenization_spaces
+        tokenizer.clean_up_tokenization_spaces = clean_up  # the fixtures are shared: set back below
+        try:
+            decode = text_decoder(tokenizer)
+            specials = list(tokenizer.all_special_ids)
+            for _ in range(200):
+                ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(tokenizer))
+                       for _ in range(rng.randrange(1, 8))]
+                for skip in (False, True):
+                    assert decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+        finally:
+            tokenizer.clean_up_tokenization_spaces = was

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from pagedserve.server.core.block_pool import BlockPool
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.engine.output import RequestMetrics
@@ -82,3 +84,30 @@ def test_cached_free_blocks_count_against_free_space() -> None:
     assert kv.pool.num_free_blocks == 0
     kv.free(b)
     assert kv.pool.num_free_blocks == 3
+
+
+def test_the_block_id_tables_follow_the_blocks_through_growth_windows_and_frees() -> None:
+    """``block_ids`` is a table kept beside the blocks (the runner reads it each step without a copy):
+    after every allocation, every block dropped behind a window and every free, it equals the blocks' ids."""
+    rng = random.Random(0)
+    for window in (None, 6):
+        kv = KVCacheManager(24, BLOCK, True, hash_seed="m", sliding_window=window)
+        live: list[Request] = []
+        for step in range(200):
+            if live and rng.random() < 0.15:
+                kv.free(live.pop(rng.randrange(len(live))))
+            elif rng.random() < 0.3:
+                request = make_request(f"r{step}", [rng.randrange(50) for _ in range(rng.randrange(1, 9))])
+                if admit(kv, request):
+                    live.append(request)
+            elif live:
+                request = rng.choice(live)
+                if kv.allocate(request, 1):
+                    request.output_token_ids.append(rng.randrange(50))
+                    request.num_computed_tokens += 1
+            for request in live:
+                blocks = kv.blocks_of(request.request_id)
+                assert kv.block_ids(request.request_id) == [b.block_id for b in blocks]
+        for request in live:
+            kv.free(request)
+        assert kv.req_block_ids == {} and kv.pool.num_free_blocks == 24 - (window is not None)

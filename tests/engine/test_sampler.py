@@ -213,3 +213,30 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert isinstance(doomed, RuntimeError)
     assert not isinstance(seeded, Exception) and seeded.token_id == alone.token_id
     assert not isinstance(greedy, Exception) and greedy.token_id == int(logits[2].argmax())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", 0), ("min_tokens", 3), ("logit_bias", {4: 50.0}), ("allowed_token_ids", [4, 9]),
+    ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.3),
+    ("bad_words", ["x"]), ("temperature", 0.7),
+])
+def test_only_plain_greedy_rows_take_the_argmax_alone(field: str, value: Any) -> None:
+    """A batch of plain greedy rows is one argmax; one field that changes the logits or asks for more
+    sends the batch through every step, where that field acts."""
+    assert SamplingParams(temperature=0.0).argmax_only
+    params = SamplingParams(**{"temperature": 0.0, field: value})
+    assert not params.argmax_only
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    plain = [make_request(SamplingParams(temperature=0.0), output=[5, 6]) for _ in range(3)]
+    assert sample(logits, plain) == [sampler.SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+    if field == "logit_bias":  # the biased row takes the biased token; the plain rows keep theirs
+        mixed = [*plain[:2], make_request(params, output=[5, 6])]
+        tokens = [t.token_id for t in sample(logits, mixed)]
+        assert tokens == [*logits.argmax(dim=-1).tolist()[:2], 4]
+
+
+def test_a_bad_word_alone_keeps_the_batch_off_the_argmax_path() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 9] = 5.0
+    request = make_request(SamplingParams(temperature=0.0), output=[], bad_words=[[9]])
+    assert sample(logits, [request])[0].token_id != 9

@@ -73,3 +73,37 @@ def test_preempts_newest_and_resumes_it_first() -> None:
     assert plan.scheduled[0].request is new and plan.scheduled[0].num_new_tokens == new.num_tokens
     scheduler.finish(new, RequestStatus.FINISHED_ABORTED)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+class RefusingGrammar:
+    """A grammar that refuses every token (a bug the mask should never let through)."""
+
+    finished = False
+    error = "refused"
+
+    def accept(self, token_id: int) -> bool:
+        return False
+
+
+def test_update_from_output_appends_stops_and_fails_a_row_alone() -> None:
+    """After a step: tokens appended through the stops, a finished request gone with its blocks, a row
+    whose token the grammar refuses aborted alone, the token counters advanced."""
+    from pagedserve.server.worker.sampler import SampledToken
+
+    kv = KVCacheManager(16, BLOCK, enable_caching=False, hash_seed="m")
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    short, long_, refused = make_request("short", 3), make_request("long", 5), make_request("refused", 2)
+    short.max_tokens = 1
+    refused.grammar = RefusingGrammar()  # type: ignore[assignment]
+    for request in (short, long_, refused):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    update = scheduler.update_from_output(plan, [(r, [SampledToken(9)]) for r in (short, long_, refused)])
+    assert [(r.request_id, [t.token_id for t in tokens]) for r, tokens in update.appended] == [
+        ("short", [9]), ("long", [9])]
+    assert list(update.failed) == ["refused"] and "refused" in str(update.failed["refused"])
+    assert short.status is RequestStatus.FINISHED_LENGTH and long_.status is RequestStatus.RUNNING
+    assert refused.status is RequestStatus.FINISHED_ABORTED
+    assert set(scheduler.requests) == {"long"} and scheduler.running == [long_]
+    assert kv.pool.num_free_blocks == 16 - 2  # only "long"'s 5 + 1 tokens hold blocks
+    assert (scheduler.prompt_tokens, scheduler.generation_tokens) == (8, 2)
