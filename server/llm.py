@@ -19,8 +19,12 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, core_process: bool = False, **engine_args: Any) -> None:
+        """``engine_args``: EngineConfig's fields. ``core_process``: run the engine core in a process of
+        its own, as the server does (server/engine/core_client.py); ``shutdown`` (or the interpreter's
+        exit) stops it. The process is spawned, so a script using it needs the
+        ``if __name__ == "__main__":`` guard, as with vLLM."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), core_process)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

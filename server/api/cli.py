@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from pagedserve.server.api.chat_template import TemplateLimits
 from pagedserve.server.api.tool_parsers import TOOL_PARSERS
+from pagedserve.server.log import configure_logging
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -122,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    server.add_argument(
+        "--engine-core-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process, beside the API's (vLLM V1's default); "
+        "--no-engine-core-process steps it on a thread of the API's process",
     )
     server.add_argument(
         "--disable-log-requests",
@@ -271,17 +279,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
     )
 
 
-def configure_logging(level: str) -> None:
-    numeric = logging.DEBUG if level in ("debug", "trace") else logging.INFO
-    logging.basicConfig(
-        level=numeric,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-    )
-
-
 def run(args: argparse.Namespace) -> int:
-    configure_logging(args.uvicorn_log_level)
+    configure_logging(logging.DEBUG if args.uvicorn_log_level in ("debug", "trace") else logging.INFO)
     log = logging.getLogger("pagedserve.api")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         log.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s)", ", ".join(TOOL_PARSERS))
@@ -297,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.server.engine.async_engine import AsyncEngine
 
     try:
-        engine = AsyncEngine.from_config(config)
+        engine = AsyncEngine.from_config(config, core_process=args.engine_core_process)
     except ValueError as exc:  # a model the configuration cannot run (e.g. heads that do not split)
         log.error("cannot start the engine: %s", exc)
         return 2

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.exceptions import EngineDeadError, RankDiedError, StepError
+from pagedserve.server.engine.exceptions import EngineDeadError, StepError
 from pagedserve.server.engine.kv_events import KVEventPublisher
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
@@ -111,18 +111,25 @@ class AsyncEngine:
         self.fatal_error: EngineDeadError | None = None
         self.on_fatal: Callable[[EngineDeadError], None] | None = None
         self._fatal_lock = threading.Lock()  # the watcher and the engine thread may both notice
-        core.on_death(lambda message: self._die(RankDiedError(message)))
+        core.on_death(self._die)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model (server/engine/core.py) and its tokenizer."""
-        from pagedserve.server.engine.core import EngineCore  # here: it imports torch and the model code
+    def from_config(cls, config: EngineConfig, core_process: bool = False) -> AsyncEngine:
+        """Load the model and its tokenizer: in a process of its own (server/engine/core_client.py) or
+        here, stepped on this engine's thread (server/engine/core.py)."""
+        core: Any
+        if core_process:
+            from pagedserve.server.engine.core_client import CoreProcessClient
 
-        core = EngineCore(config)
+            core = CoreProcessClient(config)
+        else:
+            from pagedserve.server.engine.core import EngineCore  # imports torch and the model code
+
+            core = EngineCore(config)
         tokenizer = load_tokenizer(config, core)
         kv_events = None
         if config.enable_kv_events:
-            kv_events = KVEventPublisher(config.block_size, core.kv.root_hash)
+            kv_events = KVEventPublisher(config.block_size, core.kv_root_hash)
         return cls(core, tokenizer, make_processor(core, tokenizer), kv_events)
 
     # ---- facts --------------------------------------------------------------------------------------

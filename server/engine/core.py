@@ -23,7 +23,7 @@ from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_slid
 from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.core_stats import engine_stats
-from pagedserve.server.engine.exceptions import EngineDeadError, StepError
+from pagedserve.server.engine.exceptions import EngineDeadError, RankDiedError, StepError
 from pagedserve.server.executor.executor import Executor
 from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request
@@ -77,13 +77,17 @@ class EngineCore:
     def vocab_size(self) -> int:
         return self.executor.vocab_size
 
+    @property
+    def kv_root_hash(self) -> bytes:
+        return self.kv.root_hash
+
     def check_alive(self) -> None:
         """RankDiedError (an EngineDeadError) once a tensor-parallel rank has died."""
         self.executor.check_alive()
 
-    def on_death(self, callback: Callable[[str], None]) -> None:
-        """``callback(message)`` from the ranks' watcher when one dies (never called on one rank)."""
-        self.executor.on_death(callback)
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """``callback(error)`` from the ranks' watcher when one dies (never called on one rank)."""
+        self.executor.on_death(lambda message: callback(RankDiedError(message)))
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -101,6 +105,9 @@ class EngineCore:
     def add_lora(self, lora: LoRARequest, weights: AdapterWeights | None = None) -> None:
         """Register an adapter (``weights`` read already by ``executor.load_lora``, else read here)."""
         self.executor.add_lora(lora, weights)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.executor.registered_loras().values())
 
     def remove_lora(self, lora_int_id: int) -> None:
         """New requests cannot use it; running ones finish with it, waiting ones fail at the next step."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.core import EngineCore
+from pagedserve.server.engine.core_client import CoreProcessClient
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.engine.output import RequestOutput
@@ -19,8 +20,14 @@ from pagedserve.server.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+    def __init__(self, config: EngineConfig, core_process: bool = False) -> None:
+        """``core_process``: the core in a process of its own (server/engine/core_client.py), its steps
+        overlapping this process's output processing; else it steps here, on the caller's thread."""
+        self.core: EngineCore | CoreProcessClient
+        if core_process:
+            self.core = CoreProcessClient(config)
+        else:
+            self.core = EngineCore(config)
         self.config = config
         self.tokenizer = load_tokenizer(config, self.core)
         self.processor = make_processor(self.core, self.tokenizer)
@@ -41,7 +48,7 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read, check and register an adapter; LoRALoadError (a ValueError) with the reason."""
         with self.processor.registering_lora(lora_request):
-            self.core.add_lora(lora_request)
+            self.core.add_lora(lora_request, self.core.load_lora(lora_request))
 
     def remove_lora(self, lora_name: str) -> None:
         """KeyError for an unknown name; requests already running finish with it."""

@@ -132,6 +132,8 @@ class OutputProcessor:
             sample = state.samples[core_output.request_id]
             if sample.finished:
                 continue  # a stop string ended it; the core ran it once more before the abort arrived
+            # The core's timestamps: the same object in-process, a fresh copy from a core process
+            sample.metrics = core_output.metrics
             if sample.index == 0:
                 state.num_cached_tokens = core_output.num_cached_tokens
             if core_output.prompt_logprobs is not None:

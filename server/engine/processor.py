@@ -284,5 +284,5 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         eos_token_ids(core.model_path, tokenizer),
         sampling_defaults(core.model_path, config.generation_config),
         enable_lora=config.enable_lora,
-        lora_requests=list(core.executor.registered_loras().values()),
+        lora_requests=core.list_loras(),
     )
