@@ -155,6 +155,28 @@ class ServerProcess(ManagedProcess):
         wait_http(self.url + self.ready_path, self.process, timeout, self.log_path)
 
 
+def spawn_children(pid: int) -> list[int]:
+    """The multiprocessing "spawn" children of ``pid`` (not its resource tracker), oldest first."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The process of a `pagedserve serve`'s engine core (server/engine/core_proc.py): its one spawn child."""
+    (core,) = spawn_children(server_pid)
+    return core
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds (all threads) that process ``pid`` has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

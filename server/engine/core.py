@@ -1,13 +1,11 @@
 """The engine core: schedule, execute, update from the output. Token ids in, token ids out; no tokenizer.
 
 One ``step()`` asks the scheduler for a batch (server/core/scheduler.py), has the executor run it
-(server/executor/executor.py: the model, its KV cache, LoRA slots, drafter and tensor-parallel ranks) and
-hands what it sampled back to the scheduler, which appends the tokens through the stops decided on
-token ids and frees finished requests' blocks. With ``speculative_config`` a request may gain several
-tokens in a step (its accepted drafts and one more, server/spec_decode/); the proposer then drafts for the
-next step. What each request gained comes back as an ``EngineCoreOutput``; text, stop strings and
-logprob strings are made from those by server/engine/output_processor.py, off the step thread (vLLM
-V1's EngineCore / front-end split).
+(server/executor/executor.py: model, KV cache, LoRA slots, drafter, tensor-parallel ranks) and hands what
+it sampled back to the scheduler, which appends the tokens through the stops on token ids and frees
+finished requests' blocks; with ``speculative_config`` the proposer then drafts for the next step
+(server/spec_decode/). Each request's gain comes back as an ``EngineCoreOutput``, made into text by
+server/engine/output_processor.py in the front end (server/engine/core_proc.py: in another process).
 """
 
 from __future__ import annotations
@@ -47,13 +45,10 @@ class EngineCore:
             config.served_model_name = config.model or DEFAULT_SERVED_NAME
         self.executor = executor = Executor(config)
         self.kv = KVCacheManager(
-            executor.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
+            executor.num_blocks, config.block_size, config.enable_prefix_caching,
             hash_seed=f"{executor.model_path}:{executor.dtype}",
             sliding_window=uniform_sliding_window(executor.model.attention_layers()),
-            enable_kv_events=config.enable_kv_events,
-            num_host_blocks=executor.num_host_blocks,
+            enable_kv_events=config.enable_kv_events, num_host_blocks=executor.num_host_blocks,
         )
         max_loras = config.max_loras if executor.lora is not None else 0
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras,

@@ -19,7 +19,14 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.testing.processes import ManagedProcess, ServerProcess, pagedserve_argv, serve_process
+from pagedserve.testing.processes import (
+    ManagedProcess,
+    ServerProcess,
+    engine_core_pid,
+    pagedserve_argv,
+    serve_process,
+    spawn_children,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,19 +61,8 @@ def one_rank(model: Path | None, prompts: list[str], max_tokens: int) -> list[st
 
 
 def worker_pids(server: ServerProcess) -> list[int]:
-    """The engine's rank processes (multiprocessing spawn children), not its resource tracker."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == server.pid and b"spawn_main" in cmdline:
-            pids.append(int(entry.name))
-    return sorted(pids)
+    """The engine's other rank processes: spawned by the engine core's process, rank 0."""
+    return spawn_children(engine_core_pid(server.pid))
 
 
 def alive(pid: int) -> bool:
@@ -117,15 +113,18 @@ def test_killed_rank_ends_the_server(tiny_tp2: ServerProcess) -> None:
 
 
 def test_ranks_exit_with_a_killed_engine(tmp_path: Path, llama_kv2: Path) -> None:
-    """kill -9 of the engine process: its rank notices its parent is gone and exits (no orphans)."""
+    """kill -9 of the server: its engine core process sees the pipe close and stops its rank; none is
+    left behind."""
     with serve_process(tmp_path / "server.log", str(llama_kv2), "-tp", "2", *FLAGS) as server:
         server.wait_ready(STARTUP_TIMEOUT_S)
-        (worker,) = worker_pids(server)
+        core = engine_core_pid(server.pid)
+        (worker,) = spawn_children(core)
         os.kill(server.pid, signal.SIGKILL)
         deadline = time.monotonic() + EXIT_BOUND_S
-        while alive(worker) and time.monotonic() < deadline:
+        while (alive(worker) or alive(core)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(worker), "rank 1 outlived its engine"
+        assert not alive(core), "the engine core outlived its server"
 
 
 def test_heads_that_do_not_split_are_refused_at_start(tmp_path: Path) -> None:

@@ -13,19 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.testing.processes import serve_process
+from pagedserve.testing.processes import engine_core_pid, serve_process
 
 pytestmark = pytest.mark.slow
 
 OUT_OF_SERVICE_S = 5.0
-
-
-def engine_core_pid(server_pid: int) -> int:
-    """The server's child that runs the core (multiprocessing's spawn; its resource tracker is the other)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    cores = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(cores) == 1, children
-    return cores[0]
 
 
 def test_a_killed_core_fails_the_stream_and_takes_the_server_down(tmp_path: Path) -> None:
