@@ -310,9 +310,9 @@ def test_self_draft_is_accepted_whole_and_its_cache_follows_the_target(llm: LLM,
 def test_draft_model_cache_is_counted_in_the_kv_budget(model_path: str, draft_path: str) -> None:
     """One block holds the target's and the drafter's K/V: the same byte budget gives fewer blocks."""
     budget = 64 * 2**20
-    plain = LLM(model_path, kv_cache_memory_bytes=budget).engine.core
+    plain = LLM(model_path, kv_cache_memory_bytes=budget).engine.core.executor
     spec = LLM(model_path, kv_cache_memory_bytes=budget,
-               speculative_config={"model": draft_path, "num_speculative_tokens": 2}).engine.core
+               speculative_config={"model": draft_path, "num_speculative_tokens": 2}).engine.core.executor
     assert spec.block_bytes == plain.block_bytes * (30 + DRAFT_LAYERS) // 30
     assert spec.num_blocks == budget // spec.block_bytes < plain.num_blocks
     for layer in spec.runner.drafter.model.attention_layers():  # type: ignore[union-attr]
