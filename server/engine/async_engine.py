@@ -117,15 +117,9 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, core_process: bool = False) -> AsyncEngine:
         """Load the model and its tokenizer: in a process of its own (server/engine/core_client.py) or
         here, stepped on this engine's thread (server/engine/core.py)."""
-        core: Any
-        if core_process:
-            from pagedserve.server.engine.core_client import CoreProcessClient
+        from pagedserve.server.engine.core_client import make_core
 
-            core = CoreProcessClient(config)
-        else:
-            from pagedserve.server.engine.core import EngineCore  # imports torch and the model code
-
-            core = EngineCore(config)
+        core = make_core(config, core_process)
         tokenizer = load_tokenizer(config, core)
         kv_events = None
         if config.enable_kv_events:

@@ -51,6 +51,16 @@ STOP_WAIT_S = 10.0
 _GONE = object()  # put in the outputs queue once the core process has ended
 
 
+def make_core(config: EngineConfig, core_process: bool) -> Any:
+    """The engine core both front ends drive: in a process of its own (``CoreProcessClient``) or here
+    (server/engine/core.py's ``EngineCore``, imported only then: it loads torch and the model code)."""
+    if core_process:
+        return CoreProcessClient(config)
+    from pagedserve.server.engine.core import EngineCore
+
+    return EngineCore(config)
+
+
 class CoreProcessClient:
     def __init__(self, config: EngineConfig) -> None:
         """Start the core process and wait until it has loaded the model; its start-up error, if any,

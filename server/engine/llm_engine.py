@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.core import EngineCore
-from pagedserve.server.engine.core_client import CoreProcessClient
+from pagedserve.server.engine.core_client import CoreProcessClient, make_core
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.engine.output import RequestOutput
@@ -23,11 +23,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, core_process: bool = False) -> None:
         """``core_process``: the core in a process of its own (server/engine/core_client.py), its steps
         overlapping this process's output processing; else it steps here, on the caller's thread."""
-        self.core: EngineCore | CoreProcessClient
-        if core_process:
-            self.core = CoreProcessClient(config)
-        else:
-            self.core = EngineCore(config)
+        self.core: EngineCore | CoreProcessClient = make_core(config, core_process)
         self.config = config
         self.tokenizer = load_tokenizer(config, self.core)
         self.processor = make_processor(self.core, self.tokenizer)
