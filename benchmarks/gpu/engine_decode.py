@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from pagedserve.benchmarks.gpu.common import copy_bandwidth, device_info, write_result
+from pagedserve.server.worker import model_runner
 
 from pagedserve import LLM, SamplingParams
 
@@ -92,13 +93,9 @@ def batch1(llm: LLM, copy_bw: float, new_tokens: int) -> dict:
     }
 
 
-def busy_share(llm: LLM, batch: int, warmup: int, steps: int) -> dict:
-    add_requests(llm, batch, 128, warmup + 2 * steps + 8, "d")
-    while any(r.num_computed_tokens < len(r.prompt_token_ids)
-              for r in llm.engine.core.scheduler.running + list(llm.engine.core.scheduler.waiting)):
-        llm.engine.step()  # prefills
-    timed_steps(llm, warmup)
-    plain = timed_steps(llm, steps)
+def profiled_steps(llm: LLM, steps: int) -> tuple[float, list[dict]]:
+    """Wall seconds of ``steps`` engine steps under ``torch.profiler`` (CUDA activity only), and the
+    device's kernel, copy and memset intervals in them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -112,23 +109,104 @@ def busy_share(llm: LLM, batch: int, warmup: int, steps: int) -> dict:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                       if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    busy, end = 0.0, float("-inf")
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
+    return wall, device
+
+
+def device_figures(wall: float, events: list[dict], steps: int, top: int = 12) -> dict:
+    """Busy share (the union of the device's intervals over the wall time), the largest gap per step, and
+    the kernels that take the most device time per step (what a step's GPU time is made of)."""
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, end, gaps = 0.0, float("-inf"), []
     for lo, hi in intervals:  # union of device intervals, in microseconds
+        if end > float("-inf") and lo > end:
+            gaps.append(lo - end)
         if hi > end:
             busy += hi - max(lo, end)
             end = hi
+    per_kernel: dict[str, list[float]] = {}
+    for e in events:
+        per_kernel.setdefault(e["name"][:90], []).append(e["dur"])
+    kernels = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    gaps.sort(reverse=True)
     return {
-        "batch": batch,
-        "profiled_steps": steps,
         "gpu_busy_share": busy / 1e6 / wall,
         "gpu_busy_seconds": busy / 1e6,
         "wall_seconds": wall,
         "step_seconds_profiled_mean": wall / steps,
-        "step_seconds_unprofiled_mean": statistics.fmean(plain),
         "device_events": len(intervals),
+        "device_events_per_step": len(intervals) / steps,
+        # idle device time per step in gaps of 20 us or more (host work, syncs) and below (launch gaps)
+        "idle_us_per_step_long_gaps": sum(g for g in gaps if g >= 20) / steps,
+        "idle_us_per_step_short_gaps": sum(g for g in gaps if g < 20) / steps,
+        "top_kernels": [{"name": name, "us_per_step": sum(d) / steps, "calls_per_step": len(d) / steps}
+                        for name, d in kernels],
     }
+
+
+class PhaseTimer:
+    """Host seconds spent in named engine methods (wrapped on their instances while it is entered)."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
+        self.targets = targets
+        self.seconds = dict.fromkeys(targets, 0.0)
+        self.saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> PhaseTimer:
+        for phase, (owner, name) in self.targets.items():
+            inner = getattr(owner, name)
+            self.saved.append((owner, name, vars(owner).get(name)))
+
+            def timed(*args, _inner=inner, _phase=phase, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    self.seconds[_phase] += time.perf_counter() - start
+
+            setattr(owner, name, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, own in self.saved:  # a module's function back; an instance's to its class's
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
+def host_phases(llm: LLM) -> PhaseTimer:
+    core = llm.engine.core
+    runner = core.executor.runner
+    return PhaseTimer({
+        "schedule": (core.scheduler, "schedule"),
+        "prepare_inputs": (runner, "prepare"),
+        "forward_launch": (runner, "run_model"),
+        "logits": (runner, "compute_logits"),
+        "sample_to_host": (model_runner, "sample_each"),  # waits for the forward pass to end
+        "update_from_output": (core.scheduler, "update_from_output"),
+        "process_outputs": (llm.engine.output_processor, "process_outputs"),
+    })
+
+
+def busy_share(llm: LLM, batch: int, warmup: int, steps: int) -> dict:
+    add_requests(llm, batch, 128, warmup + 2 * steps + 8, "d")
+    while any(r.num_computed_tokens < len(r.prompt_token_ids)
+              for r in llm.engine.core.scheduler.running + list(llm.engine.core.scheduler.waiting)):
+        llm.engine.step()  # prefills
+    timed_steps(llm, warmup)
+    plain = timed_steps(llm, steps)
+    with host_phases(llm) as phases:
+        timed_steps(llm, steps)
+    wall, events = profiled_steps(llm, steps)
+    figures = device_figures(wall, events, steps)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return {"batch": batch, "profiled_steps": steps, "step_seconds_unprofiled_mean": statistics.fmean(plain),
+            # host ms per step in each phase
+            "host_ms_per_step": {k: 1e3 * v / steps for k, v in phases.seconds.items()},
+            **figures}
 
 
 def main() -> None:
@@ -143,6 +221,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="e.g. int8 (the Triton w8a16 kernel)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     parser.add_argument("--skip-busy-share", action="store_true", help="(b) only")
+    parser.add_argument("--profile-batch-1", action="store_true",
+                        help="also profile batch-1 steps: busy share, idle gaps, top kernels")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -168,6 +248,9 @@ def main() -> None:
         return
     write_result(f"d_gpu_busy_share{mode}", {"benchmark": "GPU busy share during steady decode",
                                       **common, **busy_share(llm, args.batch, 5, args.steps)}, args.out)
+    if args.profile_batch_1:  # what a batch-1 step's device time is made of, and how much of it idles
+        write_result(f"b_device_profile{mode}", {"benchmark": "batch-1 decode steps under the profiler",
+                                                 **common, **busy_share(llm, 1, 5, args.steps)}, args.out)
 
 
 if __name__ == "__main__":
