@@ -48,6 +48,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # vLLM's async scheduling: the next step launched before the last one's tokens are read back, where
+    # that leaves outputs unchanged (server/core/scheduler.py schedule_ahead). None: on a GPU only.
+    async_scheduling: bool | None = None
     # Request defaults from a generation_config.json: "auto" (the model's), "vllm" (none) or a folder
     # holding one (server/loader/generation_config.py).
     generation_config: str = "auto"

@@ -145,6 +145,19 @@ class SamplingParams:
         )
 
     @property
+    def reads_own_output(self) -> bool:
+        """The logits it samples from depend on the tokens it generated (penalties, bad words, min_tokens),
+        so async scheduling cannot run its next step before its last token is known
+        (server/core/scheduler.py)."""
+        return bool(
+            self.min_tokens
+            or self.bad_words
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
     def stop_buffer_length(self) -> int:
         """Characters held back from streamed text so a stop string is never half-emitted."""
         if not self.stop_strings or self.include_stop_str_in_output:

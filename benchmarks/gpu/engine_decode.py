@@ -59,22 +59,28 @@ def add_requests(llm: LLM, count: int, prompt_len: int, max_tokens: int, tag: st
 
 
 def timed_steps(llm: LLM, steps: int) -> list[float]:
+    """Each step's wall time, back to back as a serving loop runs them: no synchronization between steps,
+    which would stop async scheduling from overlapping one step's host work with the next one's device
+    work (the device's queue is drained before the first step and counted in the last)."""
+    torch.cuda.synchronize()
     times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+    last = time.perf_counter()
+    for i in range(steps):
         llm.engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        if i == steps - 1:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
     return times
 
 
 def batch1(llm: LLM, copy_bw: float, new_tokens: int) -> dict:
     add_requests(llm, 1, 128, new_tokens, "b1")
     llm.engine.step()  # the prefill
-    times = []
+    times = timed_steps(llm, new_tokens - 1)  # every decode step
     while llm.engine.has_unfinished():
-        times += timed_steps(llm, 1)
+        llm.engine.step()
     weights, kv_per_token = decode_bytes(llm)
     mean_context = 128 + new_tokens / 2
     step_bytes = weights + kv_per_token * mean_context
@@ -184,14 +190,15 @@ def host_phases(llm: LLM) -> PhaseTimer:
         "prepare_inputs": (runner, "prepare"),
         "forward_launch": (runner, "run_model"),
         "logits": (runner, "compute_logits"),
-        "sample_to_host": (model_runner, "sample_each"),  # waits for the forward pass to end
+        "sample_launch": (model_runner, "launch_sample"),
+        "read_back": (model_runner.LaunchedStep, "result"),  # waits for the step's tokens
         "update_from_output": (core.scheduler, "update_from_output"),
         "process_outputs": (llm.engine.output_processor, "process_outputs"),
     })
 
 
 def busy_share(llm: LLM, batch: int, warmup: int, steps: int) -> dict:
-    add_requests(llm, batch, 128, warmup + 2 * steps + 8, "d")
+    add_requests(llm, batch, 128, warmup + 3 * steps + 8, "d")  # warm-up, plain, phases, profiled
     while any(r.num_computed_tokens < len(r.prompt_token_ids)
               for r in llm.engine.core.scheduler.running + list(llm.engine.core.scheduler.waiting)):
         llm.engine.step()  # prefills
@@ -218,6 +225,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="(d): requests decoding together")
     parser.add_argument("--steps", type=int, default=30, help="(d): profiled steps")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: the engine's (on a GPU); --no-async-scheduling: results named _sync")
     parser.add_argument("--quantization", default=None, help="e.g. int8 (the Triton w8a16 kernel)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     parser.add_argument("--skip-busy-share", action="store_true", help="(b) only")
@@ -230,18 +239,20 @@ def main() -> None:
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory_bytes=8 << 30, max_model_len=4096,
               enforce_eager=args.enforce_eager, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)
     load_seconds = time.perf_counter() - t
     # Warm-up: compiles the Triton kernels (and captures graphs, where the engine does so).
     llm.generate([prompt(llm.engine.vocab_size, 64, 99)] * 2,
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     common = {"device": device_info(), "model": args.model, "dtype": "bfloat16",
               "enforce_eager": args.enforce_eager, "quantization": args.quantization,
+              "async_scheduling": llm.engine.core.async_scheduling,
               "kv_cache_dtype": args.kv_cache_dtype, "copy_bandwidth_gbps": copy_bw / 1e9,
               "load_seconds": load_seconds}
     # Results of a quantized or FP8-cache run are named apart from the plain run's.
     mode = (f"_{args.quantization}" if args.quantization else "") + (
-        "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}")
+        "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}") + (
+        "_sync" if args.async_scheduling is False else "")
     write_result(f"b_decode_step_roofline{mode}", {"benchmark": "engine decode step at batch 1 vs roofline",
                                             **common, **batch1(llm, copy_bw, args.new_tokens)}, args.out)
     if args.skip_busy_share:

@@ -186,6 +186,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before the previous one's tokens are read back, hiding the host's "
+        "work behind the device's (default: on a GPU); outputs are unchanged",
+    )
+    engine.add_argument(
         "--generation-config",
         default="auto",
         help="request defaults from generation_config.json: auto (the model's), vllm (none) or a folder",
@@ -264,6 +271,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         generation_config=args.generation_config,
         enable_kv_events=args.enable_kv_events,
         kv_cache_dtype=args.kv_cache_dtype,

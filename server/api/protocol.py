@@ -707,3 +707,4 @@ class VersionResponse(OpenAIBaseModel):
     enable_lora: bool = False  # LoRA adapters can be served (--enable-lora)
     max_loras: int | None = None  # adapters in one batch (--max-loras); None without LoRA
     tensor_parallel_size: int = 1  # ranks the model is split across (--tensor-parallel-size)
+    async_scheduling: bool = False  # steps launched before the last one is read back (--async-scheduling)

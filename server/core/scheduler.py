@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,9 @@ class ScheduledRequest:
     num_new_tokens: int
     # Draft tokens verified this step, after the last known token (server/spec_decode/rejection_sampler.py)
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens of this request the step in flight is computing still; this step's chunk
+    # starts after them, its first token being the one that step samples (``schedule_ahead``)
+    num_in_flight: int = 0
 
     @property
     def completes_sequence(self) -> bool:
@@ -73,6 +76,18 @@ class StepUpdate:
     failed: dict[str, Exception] = field(default_factory=dict)
 
 
+def _runs_ahead(item: ScheduledRequest) -> bool:
+    request = item.request
+    return (
+        item.num_new_tokens == 1
+        and not item.spec_token_ids
+        and item.completes_sequence
+        and request.grammar is None
+        and request.prompt_logprobs is None
+        and not request.params.reads_own_output
+    )
+
+
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0,
@@ -89,6 +104,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps_ahead = 0  # steps scheduled by schedule_ahead (async scheduling)
         self.prompt_tokens = 0  # of requests that got their first token
         self.generation_tokens = 0
         self.lora_requests_finished: dict[str, int] = {}  # adapter name -> requests finished
@@ -200,6 +216,50 @@ class Scheduler:
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
                 request.metrics.finished_time = now
 
+    def abort_unregistered(self, registered: Collection[int]) -> list[Request]:
+        """Abort the waiting requests whose LoRA adapter is no longer ``registered``; returns them."""
+        gone = [r for r in self.waiting if r.lora_int_id and r.lora_int_id not in registered]
+        self.abort([r.request_id for r in gone])
+        return gone
+
+    # ---- async scheduling ---------------------------------------------------------------------------
+
+    def can_run_ahead(self, plan: SchedulerOutput) -> bool:
+        """Whether the step after ``plan`` can be scheduled before ``plan``'s tokens are known: nothing waits
+        to be admitted, and every request of it decodes its last known token with logits that do not depend
+        on what it generated before (no grammar, penalty, bad word, min_tokens, draft, prompt logprobs)."""
+        return not self.waiting and bool(plan.scheduled) and all(
+            _runs_ahead(item) for item in plan.scheduled
+        )
+
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """The next step while ``in_flight`` still runs (vLLM's async scheduling), or None where it needs
+        ``in_flight``'s tokens first (``can_run_ahead``, or the blocks do not fit: then the ordinary
+        ``schedule`` decides, preemption included). Each request decodes the token ``in_flight`` samples
+        for it, unless that token is its last by length; one that the token stops (EOS, a stop token, a
+        stop string in the front end) gets one row computed in vain, whose token ``update_from_output``
+        drops. The same requests in the same order as ``schedule`` would run them, so outputs are equal."""
+        if not self.can_run_ahead(in_flight):
+            return None
+        out = SchedulerOutput()
+        for item in in_flight.scheduled:
+            request = item.request
+            if request.finished:  # aborted since
+                continue
+            num_after = request.num_tokens + 1  # with the token in flight
+            if request.num_output_tokens + 1 >= request.max_tokens or (
+                self.max_model_len and num_after >= self.max_model_len
+            ):
+                continue
+            if not self.kv.allocate(request, 2):  # the token in flight and the next one
+                return None
+            out.scheduled.append(ScheduledRequest(request, 1, num_in_flight=1))
+        if not out.scheduled:
+            return None
+        out.kv_transfers = self.kv.take_transfers()
+        self.num_steps_ahead += 1
+        return out
+
     # ---- after the step -----------------------------------------------------------------------------
 
     def update_from_output(self, plan: SchedulerOutput, sampled: Sampled) -> StepUpdate:
@@ -212,6 +272,8 @@ class Scheduler:
         now = time.time()
         update = StepUpdate()
         for request, tokens in sampled:
+            if request.finished:  # under async scheduling: stopped or aborted while this step ran
+                continue
             appended = tokens if isinstance(tokens, Exception) else self._append_tokens(request, tokens, now)
             if isinstance(appended, Exception):
                 update.failed[request.request_id] = appended

@@ -4,7 +4,8 @@ One ``step()`` asks the scheduler for a batch (server/core/scheduler.py), has th
 (server/executor/executor.py: model, KV cache, LoRA slots, drafter, tensor-parallel ranks) and hands what
 it sampled back to the scheduler, which appends the tokens through the stops on token ids and frees
 finished requests' blocks; with ``speculative_config`` the proposer then drafts for the next step
-(server/spec_decode/). Each request's gain comes back as an ``EngineCoreOutput``, made into text by
+(server/spec_decode/). With async scheduling the next step is launched before a step's tokens are read
+back. Each request's gain comes back as an ``EngineCoreOutput``, made into text by
 server/engine/output_processor.py in the front end (server/engine/core_proc.py: in another process).
 """
 
@@ -13,20 +14,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
-from pagedserve.server.core.scheduler import Scheduler
-from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
+from pagedserve.server.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, core_output
 from pagedserve.server.engine.core_stats import engine_stats
 from pagedserve.server.engine.exceptions import EngineDeadError, RankDiedError, StepError
 from pagedserve.server.executor.executor import Executor
 from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.proposer import DraftProposer
-from pagedserve.server.worker.sampler import SampledToken
+from pagedserve.server.worker.model_runner import LaunchedStep
 
 if TYPE_CHECKING:
     from pagedserve.server.engine.kv_events import KVEvent
@@ -56,13 +57,8 @@ class EngineCore:
         self._check_unloaded = False  # an adapter was unloaded: fail the requests still waiting for it
         spec = config.speculative_config
         self.proposer = DraftProposer(spec, config.max_model_len or 0) if spec is not None else None
-        logger.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s kv_cache_dtype=%s "
-            "kv_blocks=%d x %d tokens, host kv_blocks=%d, max_model_len=%d",
-            executor.model_path, executor.device, executor.dtype, executor.backend.name,
-            executor.kv_cache_dtype, executor.num_blocks, config.block_size, executor.num_host_blocks,
-            config.max_model_len,
-        )
+        self.async_scheduling = executor.async_scheduling
+        self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not yet read back
 
     @property
     def model_path(self) -> Path:
@@ -91,8 +87,6 @@ class EngineCore:
         """The KV events recorded since the last call (enable_kv_events; else none)."""
         return self.kv.pool.take_events()
 
-    # ---- adapters -----------------------------------------------------------------------------------
-
     def load_lora(self, lora: LoRARequest) -> AdapterWeights:
         """Read and check an adapter's files (any thread; LoRALoadError with the reason)."""
         return self.executor.load_lora(lora)
@@ -112,15 +106,10 @@ class EngineCore:
     def _fail_unloaded(self) -> None:
         """Waiting requests whose adapter was unloaded fail, each alone, with the reason."""
         self._check_unloaded = False
-        registered = self.executor.registered_loras()
-        gone = [r for r in self.scheduler.waiting if r.lora_int_id and r.lora_int_id not in registered]
-        if gone:
+        if gone := self.scheduler.abort_unregistered(self.executor.registered_loras()):
             names = sorted({r.lora_request.lora_name for r in gone if r.lora_request is not None})
-            self.abort_requests([r.request_id for r in gone])
             reason = f"LoRA adapter {', '.join(names)} was unloaded before the request ran"
             raise StepError([r.request_id for r in gone], LoRALoadError(reason))
-
-    # ---- requests -----------------------------------------------------------------------------------
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -138,30 +127,53 @@ class EngineCore:
         self.scheduler.abort(request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    # ---- the step -----------------------------------------------------------------------------------
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
         if self._check_unloaded:
             self._fail_unloaded()
+        if self.in_flight is not None:  # async scheduling: launch the next step, then read this one back
+            plan, launched = self.in_flight
+            ahead = self.scheduler.schedule_ahead(plan) if launched.device_token_ids is not None else None
+            self.in_flight = None
+            try:
+                self.in_flight = (ahead, self._launch(ahead, launched)) if ahead is not None else None
+            except StepError as error:  # the step ahead failed, its requests aborted: the others gain
+                error.outputs = self._finish(plan, launched)
+                raise
+            return self._finish(plan, launched)  # the device runs the step ahead meanwhile
         plan = self.scheduler.schedule()
         if plan.empty:
             self.executor.copy_kv_blocks(plan)
             return []
+        launched = self._launch(plan, None)
+        if self.async_scheduling and self.scheduler.can_run_ahead(plan):
+            self.in_flight = (plan, launched)  # read back once the next step is launched
+            return []
+        return self._finish(plan, launched)
+
+    def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         active_loras = self.scheduler.active_loras() if self.scheduler.max_loras else None
+        # Every request's block table as the KV manager keeps it: read there, never copied per step
+        return self._guarded(plan, lambda: self.executor.launch(plan, self.kv.req_block_ids, active_loras,
+                                                                previous))
+
+    def _guarded(self, plan: SchedulerOutput, run: Callable[[], Any]) -> Any:
         try:
-            # Every request's block table as the KV manager keeps it: read there, never copied per step
-            sampled = self.executor.execute(plan, self.kv.req_block_ids, active_loras)
+            return run()
         except EngineDeadError:
             raise  # a tensor-parallel rank died: no step can run again
         except Exception as exc:
             self.executor.check_alive()  # a collective failed because a rank died: that is the error
             raise self._fail_step([s.request for s in plan.scheduled], exc) from exc
+
+    def _finish(self, plan: SchedulerOutput, launched: LaunchedStep) -> list[EngineCoreOutput]:
+        """Read a launched step's tokens back and hand them to the scheduler."""
+        sampled = self._guarded(plan, launched.result)
         if self.proposer is not None:
             self.proposer.record(plan.scheduled, sampled)
         update = self.scheduler.update_from_output(plan, sampled)
-        outputs = [_core_output(request, tokens) for request, tokens in update.appended]
+        outputs = [core_output(request, tokens) for request, tokens in update.appended]
         if update.failed:
             # Only these fail: the forward pass went well, so the cached prefixes stay (unlike _fail_step),
             # and the other requests' outputs of this step travel with the error to the front end.
@@ -184,17 +196,3 @@ class EngineCore:
     def stats(self) -> EngineStats:
         spec = self.proposer.stats if self.proposer is not None else None
         return engine_stats(self.scheduler, self.executor, spec)
-
-
-def _core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=[token.token_id for token in appended],
-        new_logprobs=appended if request.params.logprobs is not None else None,
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-        metrics=request.metrics,
-        # Complete once the first token is sampled, and sent with it, once.
-        prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == len(appended) else None,
-    )

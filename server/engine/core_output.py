@@ -12,6 +12,7 @@ from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
+    from pagedserve.server.request import Request
     from pagedserve.server.worker.sampler import SampledToken
 
 
@@ -68,3 +69,18 @@ class EngineCoreOutput:
     metrics: RequestMetrics
     # With the first new token of a request that asked for them: the logprobs of prompt tokens 1..
     prompt_logprobs: list[SampledToken] | None = None
+
+
+def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOutput:
+    """What a step gave ``request``: its ``appended`` tokens and, once, what it finished with."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[token.token_id for token in appended],
+        new_logprobs=appended if request.params.logprobs is not None else None,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        metrics=request.metrics,
+        # Complete once the first token is sampled, and sent with it, once.
+        prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == len(appended) else None,
+    )

@@ -21,7 +21,7 @@ from pagedserve.server.backend import select_backend
 from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedserve.server.core.scheduler import SchedulerOutput
 from pagedserve.server.lora.request import LoRALoadError, LoRARequest
-from pagedserve.server.worker.model_runner import ModelRunner, StepResult
+from pagedserve.server.worker.model_runner import LaunchedStep, ModelRunner
 
 if TYPE_CHECKING:
     from pagedserve.server.distributed.driver import TPDriver
@@ -49,6 +49,15 @@ class Executor:
         except BaseException:
             self.shutdown()
             raise
+        self.async_scheduling = self._runs_ahead()
+        config.async_scheduling = self.async_scheduling  # what runs, resolved: /version shows it
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s backend=%s kv_cache_dtype=%s "
+            "kv_blocks=%d x %d tokens, host kv_blocks=%d, max_model_len=%d, async scheduling=%s",
+            self.model_path, self.device, self.dtype, self.backend.name, self.kv_cache_dtype,
+            self.num_blocks, config.block_size, self.num_host_blocks, config.max_model_len,
+            self.async_scheduling,
+        )
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -210,10 +219,23 @@ class Executor:
 
     # ---- running ------------------------------------------------------------------------------------
 
-    def execute(self, plan: SchedulerOutput, block_ids: dict[str, list[int]],
-                active_loras: set[int] | None) -> StepResult:
-        """One forward pass over the scheduled step (server/worker/model_runner.py ``execute``)."""
-        return self.runner.execute(plan.scheduled, block_ids, active_loras, plan.kv_transfers)
+    def _runs_ahead(self) -> bool:
+        """vLLM's --async-scheduling (default: on a GPU, where it hides the host's work): a step launched
+        while the one before is in flight. Only where each step's inputs are the device's to take: on one
+        rank (the others would need the sampled tokens too), without LoRA slots, drafts or a host KV tier,
+        whose per-step work reads the sequences as the host knows them."""
+        wanted = self.config.async_scheduling
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        return wanted and self.ranks is None and self.lora is None and not self.num_host_blocks and (
+            self.config.speculative_config is None
+        )
+
+    def launch(self, plan: SchedulerOutput, block_ids: dict[str, list[int]], active_loras: set[int] | None,
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """The step queued on the device, its tokens read back later by ``LaunchedStep.result``;
+        ``previous``: the step still in flight, whose tokens feed this one's rows with ``num_in_flight``."""
+        return self.runner.launch(plan.scheduled, block_ids, active_loras, plan.kv_transfers, previous)
 
     def copy_kv_blocks(self, plan: SchedulerOutput) -> None:
         """A step that runs nothing still applies its host-tier copies (none in practice)."""

@@ -12,10 +12,13 @@ How the engine uses them (server/engine/llm_engine.py, server/worker/model_runne
   graphs.run(input_ids, positions, meta)`` instead of ``model(input_ids, positions, meta)``; logits
   and sampling stay outside the graph.
 
-A graph is captured per batch-size bucket (1, 2, 4, then multiples of 8) with block tables as wide as
-``max_model_len`` needs; a smaller batch runs in the next bucket up, its padding rows given slot -1 (no
-KV write) and context 0 (the decode kernel reads nothing and writes zeros for them). The decode kernel
-sizes its launch from tensor shapes only, so one capture serves every context length.
+A graph is captured per batch-size bucket (1, 2, 4, then multiples of 8) and block-table width: as wide
+as 256 and 1,024 tokens need and as ``max_model_len`` needs. A smaller batch runs in the next bucket up,
+its padding rows given slot -1 (no KV write) and context 0 (the decode kernel reads nothing and writes
+zeros for them); a step's tables run in the narrowest width that holds them. The decode kernel sizes
+its launch from tensor shapes only (kernels/paged_attention_decode.py ``_partition``), so a capture
+serves every context up to its width; the narrow ones exist because a table as wide as max_model_len
+cuts short contexts into split-K partitions that are nearly all empty, plus a pass merging them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch
 from pagedserve.server.backend import Backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from torch import nn
+
+NARROW_CONTEXTS = (256, 1024)  # tokens: the narrower tables graphs are captured for
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -39,6 +44,8 @@ class DecodeGraphs:
         self.model = model
         self.buckets = batch_buckets(max_num_seqs)
         self.width = -(-max_model_len // block_size)
+        self.widths = sorted({min(-(-tokens // block_size), self.width) for tokens in NARROW_CONTEXTS}
+                             | {self.width})
         n = self.buckets[-1]
         # Static inputs: every graph reads a prefix of these.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -47,14 +54,15 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # (batch bucket, table width) -> graph, and the hidden states it leaves
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _meta(self, batch: int) -> AttentionMetadata:
+    def _meta(self, batch: int, width: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
             num_decode_tokens=batch,
-            decode_block_tables=self.block_tables[:batch],
+            decode_block_tables=self.block_tables[:batch, :width],
             decode_context_lens=self.context_lens[:batch],
             prefill_block_tables=self.block_tables[:0],
             prefill_cu_seqlens_q=self.no_prefill,
@@ -63,17 +71,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, all in one memory pool."""
+        """Capture every bucket and width, largest first, all in one memory pool."""
         pool = None
-        for batch in reversed(self.buckets):
-            meta = self._meta(batch)
-            self.model(self.input_ids[:batch], self.positions[:batch], meta)  # compile, warm up
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch] = self.model(self.input_ids[:batch], self.positions[:batch], meta)
-            pool = graph.pool()
-            self.graphs[batch] = graph
+        for width in reversed(self.widths):
+            for batch in reversed(self.buckets):
+                meta = self._meta(batch, width)
+                self.model(self.input_ids[:batch], self.positions[:batch], meta)  # compile, warm up
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self.model(self.input_ids[:batch], self.positions[:batch], meta)
+                pool = graph.pool()
+                self.graphs[batch, width] = graph
+                self.outputs[batch, width] = output
         torch.cuda.synchronize()
 
     def fits(self, meta: AttentionMetadata) -> bool:
@@ -94,8 +104,9 @@ class DecodeGraphs:
         # Padding rows: no KV write, no context. (Table columns past a context are never read.)
         self.slot_mapping[batch:bucket].fill_(-1)
         self.context_lens[batch:bucket].zero_()
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:batch]
+        key = bucket, next(w for w in self.widths if w >= width)
+        self.graphs[key].replay()
+        return self.outputs[key][:batch]
 
 
 @torch.inference_mode()

@@ -40,7 +40,7 @@ from pagedserve.server.worker.prompt_logprobs import (
     prompt_logprob_rows,
     record_prompt_logprobs,
 )
-from pagedserve.server.worker.sampler import SampledToken, sample_each
+from pagedserve.server.worker.sampler import LaunchedSample, SampledToken, launch_sample
 from torch import nn
 
 if TYPE_CHECKING:
@@ -72,6 +72,34 @@ class StepInputs:
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 StepResult = list[tuple[Request, list[SampledToken] | Exception]]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device: ``result`` reads its tokens back.
+    Until then the next step may be launched, its inputs taken from ``sample.device_token_ids``
+    (async scheduling, server/engine/core.py)."""
+
+    sampled_requests: list[Request]
+    sample: LaunchedSample | None
+    spec_results: StepResult = field(default_factory=list)  # verified drafts: on the host already
+
+    @property
+    def device_token_ids(self) -> torch.Tensor | None:
+        return self.sample.device_token_ids if self.sample is not None else None
+
+    def row_of(self) -> dict[str, int]:
+        """Each sampled request's row of ``device_token_ids``."""
+        return {r.request_id: row for row, r in enumerate(self.sampled_requests)}
+
+    def result(self) -> StepResult:
+        """Each sampled request's new tokens, or the exception its row alone raised."""
+        results: StepResult = []
+        if self.sample is not None:
+            sampled = self.sample.result(self.sampled_requests)
+            results = [(r, t if isinstance(t, Exception) else [t])
+                       for r, t in zip(self.sampled_requests, sampled, strict=True)]
+        return results + self.spec_results
 
 
 class ModelRunner:
@@ -169,7 +197,6 @@ class ModelRunner:
         element = torch.tensor([], dtype=dtype).element_size()  # 1 for FP8: twice a 16-bit cache's blocks
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
-    @torch.inference_mode()
     def execute(
         self,
         scheduled: list[ScheduledRequest],
@@ -180,8 +207,21 @@ class ModelRunner:
         """One forward pass; each sampled request's new tokens (one, or the accepted drafts and one more),
         or the exception its row alone raised. ``active_loras``: the adapters of every running request,
         whose device slots this step must not take. ``kv_transfers``: the host tier's copies, made first."""
+        return self.launch(scheduled, block_ids, active_loras, kv_transfers).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        scheduled: list[ScheduledRequest],
+        block_ids: dict[str, list[int]],
+        active_loras: set[int] | None = None,
+        kv_transfers: KVTransfers | None = None,
+        previous: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """``execute`` up to the read-back of the sampled tokens. ``previous``: the step still in flight,
+        whose sampled tokens are the inputs of this step's rows with ``num_in_flight``."""
         draft_probs = self._draft(scheduled, block_ids) if self.drafter is not None else {}
-        inputs = self.prepare(scheduled, block_ids)
+        inputs = self.prepare(scheduled, block_ids, previous)
         inputs.draft_probs = draft_probs
         inputs.model.kv_transfers = kv_transfers
         if self.lora is not None:
@@ -197,15 +237,13 @@ class ModelRunner:
             grammar.bits = self._to_device(grammar.bits)
         for rows in inputs.prompt_logprob_rows:
             record_prompt_logprobs(self.compute_logits, hidden, rows)
-        results: StepResult = []
+        launched = LaunchedStep(inputs.sampled_requests, None)
         if inputs.sampled_requests:
             logits = self.compute_logits(hidden.index_select(0, inputs.sample_indices))
-            sampled = sample_each(logits, inputs.sampled_requests, grammar)
-            results = [(r, t if isinstance(t, Exception) else [t])
-                       for r, t in zip(inputs.sampled_requests, sampled, strict=True)]
+            launched.sample = launch_sample(logits, inputs.sampled_requests, grammar)
         if inputs.spec_requests:
-            results.extend(self._verify(hidden, inputs))
-        return results
+            launched.spec_results = self._verify(hidden, inputs)
+        return launched
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
         """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others),
@@ -260,7 +298,10 @@ class ModelRunner:
                 results.append((item.request, exc))
         return results
 
-    def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]],
+                previous: LaunchedStep | None = None) -> StepInputs:
+        """The step's inputs. A row whose token is still being sampled by ``previous`` (the step in flight,
+        ``ScheduledRequest.num_in_flight``) takes it from there on the device."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
         prefills = [s for s in scheduled if s.num_new_tokens > 1 and not s.spec_token_ids]
         if self.lora is not None:  # each adapter's tokens in one run per kind: kernels/cpu.py _SlotRuns
@@ -277,20 +318,28 @@ class ModelRunner:
         spec_indices: list[int] = []
         spec_requests: list[ScheduledRequest] = []
         prompt_rows: list[PromptLogprobRows] = []
+        in_flight_rows: list[int] = []  # rows whose token ``previous`` is sampling, and their requests
+        in_flight_ids: list[str] = []
         num_decode_items = len(decodes)
         for index, item in enumerate(ordered):
-            request, start = item.request, item.request.num_computed_tokens
+            request, start = item.request, item.request.num_computed_tokens + item.num_in_flight
             blocks = block_ids[request.request_id]
             if item.num_new_tokens == 1 and not item.spec_token_ids and request.prompt_logprobs is None:
                 # One token and nothing else to do: most rows of a step, so kept to the bare appends.
                 rows.append(len(tables))
                 tables.append(blocks)
                 context_lens.append(start + 1)
-                num_prompt = len(request.prompt_token_ids)
-                token_ids.append(request.prompt_token_ids[start] if start < num_prompt
-                                 else request.output_token_ids[start - num_prompt])
+                num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
+                if start < num_prompt:
+                    token_ids.append(request.prompt_token_ids[start])
+                elif start < num_prompt + num_output:
+                    token_ids.append(request.output_token_ids[start - num_prompt])
+                else:
+                    in_flight_rows.append(len(token_ids))
+                    in_flight_ids.append(request.request_id)
+                    token_ids.append(0)  # filled in on the device, below
                 positions.append(start)
-                if start + 1 == num_prompt + len(request.output_token_ids):
+                if start + 1 == num_prompt + num_output + item.num_in_flight:
                     sample_indices.append(len(token_ids) - 1)
                     sampled.append(request)
                 continue
@@ -334,8 +383,14 @@ class ModelRunner:
             prefill_cu_seqlens_q=to(cu_seqlens),
             prefill_context_lens=to(lens_t[num_decodes:]),
         )
+        input_ids = to(torch.tensor(token_ids, dtype=torch.long))
+        if in_flight_rows:
+            assert previous is not None and previous.device_token_ids is not None
+            row_of = previous.row_of()
+            sources = [row_of[request_id] for request_id in in_flight_ids]
+            input_ids[to(torch.tensor(in_flight_rows))] = previous.device_token_ids[to(torch.tensor(sources))]
         return StepInputs(
-            model=ModelInputs(to(torch.tensor(token_ids, dtype=torch.long)), to(position_t), meta),
+            model=ModelInputs(input_ids, to(position_t), meta),
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,

@@ -47,9 +47,27 @@ class LogprobTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # [batch] long
     logprobs: LogprobTensors | None  # None when no request asked for logprobs
+    # Set by ``copy_to_host``: passed once the copies to the host are done
+    copied: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> SamplerOutput:
+        """These tensors copied to pinned host memory without waiting for them (on a GPU; elsewhere the
+        same object): ``to_host`` then waits for the copies alone, not for the work queued after them, such
+        as the next step's forward pass under async scheduling (server/engine/core.py)."""
+        if self.token_ids.device.type != "cuda":
+            return self
+        lp = self.logprobs
+        host_logprobs = None if lp is None else LogprobTensors(
+            *(_pinned_copy(t) for t in (lp.chosen, lp.ranks, lp.top_ids, lp.top_values))  # type: ignore[arg-type]
+        )
+        copied = torch.cuda.Event()
+        copied.record()
+        return SamplerOutput(_pinned_copy(self.token_ids), host_logprobs, copied)
 
     def to_host(self, requests: list[Request]) -> list[SampledToken]:
         """The one read-back of the step: each request's token and the logprobs it asked for."""
+        if self.copied is not None:
+            self.copied.synchronize()
         token_ids = self.token_ids.tolist()
         if self.logprobs is None:
             return [SampledToken(t) for t in token_ids]
@@ -72,6 +90,30 @@ class SamplerOutput:
         return results
 
 
+def _pinned_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+@dataclass
+class LaunchedSample:
+    """A batch's sampling, launched: its tokens on the device (the next step's inputs under async
+    scheduling) and on their way to the host; or, where the batch had to be sampled row by row, each
+    row's result already on the host."""
+
+    device_token_ids: torch.Tensor | None
+    host: SamplerOutput | None
+    rows: list[SampledToken | Exception] | None = None
+
+    def result(self, requests: list[Request]) -> list[SampledToken | Exception]:
+        if self.rows is not None:
+            return self.rows
+        assert self.host is not None
+        return list(self.host.to_host(requests))
+
+
 def sample(logits: torch.Tensor, requests: list[Request],
            grammar: GrammarBitmask | None = None) -> list[SampledToken]:
     """``logits`` ``[len(requests), vocab]``, one row per request that needs a new token; ``grammar``: the
@@ -88,11 +130,23 @@ def sample_each(logits: torch.Tensor, requests: list[Request],
     each row is sampled alone: a failing row gets its exception, the others their tokens. Seeded
     generators are rewound first, so a retried row draws exactly what it would have drawn.
     """
+    return launch_sample(logits, requests, grammar).result(requests)
+
+
+def launch_sample(logits: torch.Tensor, requests: list[Request],
+                  grammar: GrammarBitmask | None = None) -> LaunchedSample:
+    """``sample_each`` without waiting for the tokens: they are read back by ``LaunchedSample.result``."""
     states = [r.generator.get_state() if r.generator is not None else None for r in requests]
     try:
-        return list(sample(logits, requests, grammar))
+        output = sample_on_device(logits, requests, grammar)
+        return LaunchedSample(output.token_ids, output.copy_to_host())
     except Exception:
         logger.exception("sampling a batch of %d failed; sampling each request alone", len(requests))
+    return LaunchedSample(None, None, _sample_rows(logits, requests, grammar, states))
+
+
+def _sample_rows(logits: torch.Tensor, requests: list[Request], grammar: GrammarBitmask | None,
+                 states: list[torch.Tensor | None]) -> list[SampledToken | Exception]:
     results: list[SampledToken | Exception] = []
     for row, (request, state) in enumerate(zip(requests, states, strict=True)):
         if request.generator is not None and state is not None:

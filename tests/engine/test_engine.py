@@ -109,16 +109,16 @@ def test_greedy_with_the_pure_torch_backend(
 def computed_tokens(llm: LLM) -> Iterator[list[int]]:
     """Tokens the model actually runs per step, recorded around the runner."""
     runner = llm.engine.core.executor.runner
-    original = runner.execute
+    original = runner.launch
     counts: list[int] = []
 
     def recording(scheduled: Any, block_ids: Any, *rest: Any) -> Any:
         counts.append(sum(s.num_new_tokens for s in scheduled))
         return original(scheduled, block_ids, *rest)
 
-    runner.execute = recording  # type: ignore[method-assign]
+    runner.launch = recording  # type: ignore[method-assign]
     yield counts
-    runner.execute = original  # type: ignore[method-assign]
+    runner.launch = original  # type: ignore[method-assign]
 
 
 def test_shared_prefix_is_served_from_cache(llm: LLM, prompts: list[list[int]],
@@ -225,18 +225,18 @@ def test_abort_mid_run_frees_blocks(llm: LLM, prompts: list[list[int]]) -> None:
 
 def test_failed_step_aborts_its_batch_and_engine_goes_on(llm: LLM) -> None:
     engine = llm.engine
-    original = engine.core.executor.runner.execute
+    original = engine.core.executor.runner.launch
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("injected failure")
 
     engine.add_request("doomed", "A doomed request", SamplingParams(max_tokens=4))
-    engine.core.executor.runner.execute = broken  # type: ignore[method-assign]
+    engine.core.executor.runner.launch = broken  # type: ignore[method-assign]
     try:
         with pytest.raises(StepError) as info:
             engine.step()
     finally:
-        engine.core.executor.runner.execute = original  # type: ignore[method-assign]
+        engine.core.executor.runner.launch = original  # type: ignore[method-assign]
     assert info.value.request_ids == ["doomed"]
     assert_no_leak(engine)
     (ok,) = llm.generate("Hello again", SamplingParams(max_tokens=3))

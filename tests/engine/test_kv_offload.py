@@ -252,16 +252,16 @@ def run_one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture
 def computed_tokens(tier_llm: LLM) -> Iterator[list[int]]:
     runner = tier_llm.engine.core.executor.runner
-    original = runner.execute
+    original = runner.launch
     counts: list[int] = []
 
     def recording(scheduled: Any, *rest: Any) -> Any:
         counts.append(sum(s.num_new_tokens for s in scheduled))
         return original(scheduled, *rest)
 
-    runner.execute = recording  # type: ignore[method-assign]
+    runner.launch = recording  # type: ignore[method-assign]
     yield counts
-    runner.execute = original  # type: ignore[method-assign]
+    runner.launch = original  # type: ignore[method-assign]
 
 
 def assert_no_leak(llm: LLM) -> None:

@@ -42,11 +42,11 @@ def engine_model():
     return model
 
 
-def decode_batch(batch: int, seed: int, vocab: int):
-    """A decode step whose block tables are as wide as the graphs' (same split-K partitions)."""
+def decode_batch(batch: int, seed: int, vocab: int, max_context: int = MAX_MODEL_LEN):
+    """A decode step whose block tables are as wide as one of the graphs' (same split-K partitions)."""
     gen = torch.Generator().manual_seed(seed)
-    contexts = torch.randint(1, MAX_MODEL_LEN, (batch,), generator=gen)
-    width = MAX_MODEL_LEN // BLOCK_SIZE
+    contexts = torch.randint(1, max_context, (batch,), generator=gen)
+    width = max_context // BLOCK_SIZE
     tables = torch.randperm(NUM_BLOCKS, generator=gen)[: batch * width].view(batch, width).int()
     positions = contexts - 1
     slots = tables[torch.arange(batch), positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
@@ -64,9 +64,13 @@ def test_graph_replay_equals_eager(engine_model):
     model = engine_model
     graphs = DecodeGraphs(model, model.backend, MAX_BATCH, MAX_MODEL_LEN, BLOCK_SIZE, CUDA)
     graphs.capture()
+    assert graphs.widths == [256 // BLOCK_SIZE, 1024 // BLOCK_SIZE, MAX_MODEL_LEN // BLOCK_SIZE]
     with torch.inference_mode():
-        for batch, seed in ((4, 0), (3, 1), (16, 2), (11, 3), (1, 4)):
-            ids, positions, meta = decode_batch(batch, seed, model.vocab_size)
+        # Full tables, then the narrow ones of short contexts (their own captures)
+        cases = [(4, 0, MAX_MODEL_LEN), (3, 1, MAX_MODEL_LEN), (16, 2, MAX_MODEL_LEN), (11, 3, MAX_MODEL_LEN),
+                 (1, 4, MAX_MODEL_LEN), (1, 5, 256), (8, 6, 256), (16, 7, 1024), (5, 8, 1024)]
+        for batch, seed, max_context in cases:
+            ids, positions, meta = decode_batch(batch, seed, model.vocab_size, max_context)
             assert graphs.fits(meta)
             # Eager first: the step's K/V land in the cache, and the replay writes the same values again.
             eager = model(ids, positions, meta).clone()
