@@ -13,12 +13,13 @@ How the engine uses them (server/engine/llm_engine.py, server/worker/model_runne
   and sampling stay outside the graph.
 
 A graph is captured per batch-size bucket (1, 2, 4, then multiples of 8) and block-table width: as wide
-as 256 and 1,024 tokens need and as ``max_model_len`` needs. A smaller batch runs in the next bucket up,
-its padding rows given slot -1 (no KV write) and context 0 (the decode kernel reads nothing and writes
-zeros for them); a step's tables run in the narrowest width that holds them. The decode kernel sizes
-its launch from tensor shapes only (kernels/paged_attention_decode.py ``_partition``), so a capture
-serves every context up to its width; the narrow ones exist because a table as wide as max_model_len
-cuts short contexts into split-K partitions that are nearly all empty, plus a pass merging them.
+as ``max_model_len`` needs and, for buckets up to 64, as 256 and 1,024 tokens need. A smaller batch runs
+in the next bucket up, its padding rows given slot -1 (no KV write) and context 0 (the decode kernel
+reads nothing and writes zeros for them); a step's tables run in the narrowest width that holds them.
+The decode kernel sizes its launch from tensor shapes only (kernels/paged_attention_decode.py
+``_partition``), so a capture serves every context up to its width; the narrow ones exist because a table
+as wide as max_model_len cuts short contexts into split-K partitions that are nearly all empty, plus a
+pass merging them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from pagedserve.server.backend import Backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from torch import nn
 
-NARROW_CONTEXTS = (256, 1024)  # tokens: the narrower tables graphs are captured for
+NARROW_CONTEXTS = (256, 1024)  # tokens: the narrower tables graphs are captured for, ...
+# ... at batch buckets up to this size only: above it the decode kernel gives an 8-KV-head model one
+# partition per sequence at any width (kernels/paged_attention_decode.py PROGRAMS_PER_SM), and every
+# graph holds its own output and pool blocks
+NARROW_MAX_BATCH = 64
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -75,6 +80,8 @@ class DecodeGraphs:
         pool = None
         for width in reversed(self.widths):
             for batch in reversed(self.buckets):
+                if width != self.width and batch > NARROW_MAX_BATCH:
+                    continue
                 meta = self._meta(batch, width)
                 self.model(self.input_ids[:batch], self.positions[:batch], meta)  # compile, warm up
                 torch.cuda.synchronize()
@@ -104,7 +111,8 @@ class DecodeGraphs:
         # Padding rows: no KV write, no context. (Table columns past a context are never read.)
         self.slot_mapping[batch:bucket].fill_(-1)
         self.context_lens[batch:bucket].zero_()
-        key = bucket, next(w for w in self.widths if w >= width)
+        tier = next(w for w in self.widths if w >= width)
+        key = bucket, tier if (bucket, tier) in self.graphs else self.width
         self.graphs[key].replay()
         return self.outputs[key][:batch]
 

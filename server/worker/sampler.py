@@ -57,12 +57,13 @@ class SamplerOutput:
         if self.token_ids.device.type != "cuda":
             return self
         lp = self.logprobs
+        token_ids = _pinned_copy(self.token_ids)
         host_logprobs = None if lp is None else LogprobTensors(
             *(_pinned_copy(t) for t in (lp.chosen, lp.ranks, lp.top_ids, lp.top_values))  # type: ignore[arg-type]
         )
         copied = torch.cuda.Event()
-        copied.record()
-        return SamplerOutput(_pinned_copy(self.token_ids), host_logprobs, copied)
+        copied.record()  # after every copy above: passing it means they are all done
+        return SamplerOutput(token_ids, host_logprobs, copied)
 
     def to_host(self, requests: list[Request]) -> list[SampledToken]:
         """The one read-back of the step: each request's token and the logprobs it asked for."""
