@@ -2,15 +2,19 @@
 is busy during steady decode at batch 64, both through the engine API on one loaded model.
 
 (b): one request (128 prompt tokens, greedy, ``ignore_eos``); each ``engine.step()`` after the prefill
-is timed on the host clock: scheduling, input preparation, the forward pass, sampling and
-detokenization included. Roofline: the bytes a decode step must read (every weight but the embedding
-table, of which it reads one row per token, plus the KV cache so far) over the measured
+is timed on the host clock, back to back as a serving loop runs them (no synchronization between steps,
+so async scheduling overlaps as it does in service): scheduling, input preparation, the forward pass,
+sampling and detokenization included. Roofline: the bytes a decode step must read (every weight but the
+embedding table, of which it reads one row per token, plus the KV cache so far) over the measured
 device-to-device copy bandwidth.
 
 (d): 64 requests decode together; after warm-up steps, ``STEPS`` steps run under ``torch.profiler``
 (CUDA activity only). Busy time is the union of the intervals of the GPU's kernels, copies and memsets;
 the share is busy time over the wall time of those steps. The same steps' mean time without the
-profiler is reported beside it, to show what the profiler itself costs.
+profiler is reported beside it, to show what the profiler itself costs, with the host time per engine
+phase, the device's idle time per step (gaps of 20 µs or more, and shorter ones) and the kernels that
+take the most of it. ``--profile-batch-1`` profiles batch-1 steps the same way;
+``--no-async-scheduling`` runs the engine without async scheduling (results named ``_sync``).
 
     python -m pagedserve.benchmarks.gpu.random_model --shape llama3-8b --out /tmp/llama3-8b
     python -m pagedserve.benchmarks.gpu.engine_decode --model /tmp/llama3-8b [--out DIR]
