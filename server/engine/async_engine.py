@@ -34,7 +34,7 @@ from pagedserve.server.engine.processor import (
     make_processor,
 )
 from pagedserve.server.lora.request import LoRARequest
-from pagedserve.server.sampling_params import SamplingParams
+from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig
@@ -47,13 +47,19 @@ _END = None  # put in a request's queue: the stream ends without a final output 
 
 
 class RequestStream:
-    """One request's outputs; ``aclose`` before the last one aborts the request."""
+    """One request's outputs; ``aclose`` before the last one aborts the request.
+
+    A consumer that falls behind gets what piled up as one output, as vLLM V1's RequestOutputCollector
+    gives it: deltas folded together (``RequestOutput.add``), a cumulative output replaced by the latest.
+    Under load a stream then costs the API one chunk per wake-up, not one per token."""
 
     def __init__(self, engine: AsyncEngine, request: ProcessedRequest) -> None:
         self.request_id = request.request_id
         self.prompt_token_ids = request.prompt_token_ids
         self.max_tokens = request.max_tokens
         self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._delta = request.params.output_kind == RequestOutputKind.DELTA
+        self._held: list[RequestOutput | BaseException | None] = []  # taken from the queue, not yet given
         self._engine = engine
         self._done = False
 
@@ -63,7 +69,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        item = self._held.pop() if self._held else await self.queue.get()
+        if isinstance(item, RequestOutput):
+            item = self._fold_waiting(item)
         if item is _END:
             self._finish(abort=False)
             raise StopAsyncIteration
@@ -73,6 +81,19 @@ class RequestStream:
         if item.finished:
             self._finish(abort=False)
         return item
+
+    def _fold_waiting(self, output: RequestOutput) -> RequestOutput:
+        """``output`` with the outputs queued behind it folded in; an end or an error stays held."""
+        while not output.finished and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if not isinstance(later, RequestOutput):
+                self._held.append(later)
+                break
+            if self._delta:
+                output.add(later)
+            else:
+                output = later
+        return output
 
     async def aclose(self) -> None:
         self._finish(abort=True)

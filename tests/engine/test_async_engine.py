@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
-from pagedserve.server.engine.async_engine import AsyncEngine
+from pagedserve.server.engine.async_engine import AsyncEngine, RequestStream
+from pagedserve.server.engine.processor import ProcessedRequest
+from pagedserve.server.sampling_params import RequestOutputKind
 
 from pagedserve import EngineConfig, SamplingParams, default_model
 
@@ -96,3 +99,60 @@ async def test_a_slow_grammar_compile_leaves_the_loop_free(engine: AsyncEngine) 
         ticker.cancel()
     # Held on the loop, the compile would leave at most a tick or two for the whole wait.
     assert elapsed < 0.2 or ticks >= elapsed / 0.01 / 4, (ticks, elapsed)
+
+
+class _Released:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self.calls.append((request_id, abort))
+
+
+def _delta(index: int, text: str, token: int, finish: str | None = None) -> Any:
+    from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [1], 0, [CompletionOutput(index, text, [token], None, None, finish)],
+                         finished=finish is not None)
+
+
+def _stream(kind: RequestOutputKind) -> tuple[RequestStream, _Released]:
+    request = ProcessedRequest("r", None, [1], SamplingParams(output_kind=kind), 8, [])
+    owner = _Released()
+    return RequestStream(owner, request), owner  # type: ignore[arg-type]
+
+
+async def test_a_stream_behind_gets_the_deltas_that_piled_up_as_one() -> None:
+    """vLLM V1's RequestOutputCollector: what a slow consumer missed comes folded into one output; an
+    end or an error queued behind it is not lost."""
+    stream, owner = _stream(RequestOutputKind.DELTA)
+    for i, text in enumerate(["Hel", "lo", ","]):
+        stream.queue.put_nowait(_delta(0, text, 10 + i))
+    stream.queue.put_nowait(None)  # the end of an aborted stream
+    first = await stream.__anext__()
+    assert (first.outputs[0].text, first.outputs[0].token_ids) == ("Hello,", [10, 11, 12])
+    assert not first.finished
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    assert owner.calls == [("r", False)]
+
+    stream, _ = _stream(RequestOutputKind.DELTA)
+    stream.queue.put_nowait(_delta(0, "a", 1))
+    stream.queue.put_nowait(_delta(0, "b", 2, finish="length"))
+    stream.queue.put_nowait(RuntimeError("never reached"))
+    last = await stream.__anext__()
+    assert (last.outputs[0].text, last.outputs[0].finish_reason, last.finished) == ("ab", "length", True)
+
+    stream, _ = _stream(RequestOutputKind.DELTA)
+    stream.queue.put_nowait(_delta(0, "a", 1))
+    stream.queue.put_nowait(ValueError("step failed"))
+    assert (await stream.__anext__()).outputs[0].text == "a"
+    with pytest.raises(ValueError, match="step failed"):
+        await stream.__anext__()
+
+
+async def test_a_cumulative_stream_behind_gets_the_latest_output() -> None:
+    stream, _ = _stream(RequestOutputKind.CUMULATIVE)
+    stream.queue.put_nowait(_delta(0, "a", 1))
+    stream.queue.put_nowait(_delta(0, "ab", 2))
+    assert (await stream.__anext__()).outputs[0].text == "ab"
