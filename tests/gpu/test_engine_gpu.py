@@ -83,3 +83,14 @@ def test_prefix_cache_hits_reproduce_the_first_run(random_model_path, monkeypatc
         free_gpu()
     assert sum(o.num_cached_tokens for o in second) > 0
     assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_leaves_outputs_unchanged(random_model_path, monkeypatch, dtype):
+    """The GPU runs async scheduling by default (server/engine/core.py): the same tokens as without it,
+    in graphs, with prompts chunked and of unequal lengths (so requests finish on different steps)."""
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
+    ids = prompts(_vocab(random_model_path), seed=4)
+    runs = [engine_greedy(random_model_path, ids, MAX_TOKENS, dtype=dtype, async_scheduling=mode, **ENGINE)
+            for mode in (False, True)]
+    assert runs[1] == runs[0]
