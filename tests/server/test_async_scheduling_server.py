@@ -39,8 +39,8 @@ def test_streams_through_the_core_process_equal_the_synchronous_engine(tmp_path:
 
         def complete(i: int) -> str:
             max_tokens, temperature, seed, stop = ROWS[i]
-            body = {"model": model, "prompt": PROMPTS[i], "max_tokens": max_tokens, "temperature": temperature,
-                    "seed": seed, "stop": stop, "ignore_eos": True}  # fmt: skip
+            body = {"model": model, "prompt": PROMPTS[i], "max_tokens": max_tokens,
+                    "temperature": temperature, "seed": seed, "stop": stop, "ignore_eos": True}  # fmt: skip
             reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
             return reply.json()["choices"][0]["text"]
