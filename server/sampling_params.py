@@ -135,13 +135,9 @@ class SamplingParams:
         return (
             self.temperature < SAMPLING_EPS
             and self.logprobs is None
-            and not self.min_tokens
             and not self.logit_bias
             and not self.allowed_token_ids
-            and not self.bad_words
-            and not self.presence_penalty
-            and not self.frequency_penalty
-            and self.repetition_penalty == 1.0
+            and not self.reads_own_output
         )
 
     @property
