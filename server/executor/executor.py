@@ -4,7 +4,7 @@ Executor, vllm/v1/executor/).
 It owns the weights (this rank's shard under tensor parallelism, whose other ranks it starts and joins,
 server/distributed/driver.py), the KV cache's size (what fits beside the weights and a profiled step on a
 GPU, a fixed budget on the CPU, the host tier's share), the model runner (server/worker/model_runner.py)
-with its LoRA slots and drafter, and ``execute``: one scheduled step in, each sampled request's tokens out.
+with its LoRA slots and drafter, and ``launch``: one scheduled step in, each sampled request's tokens out.
 The engine core (server/engine/core.py) sees only this object: no set-up and no per-feature branch of
 the runner's reaches the core's loop.
 """

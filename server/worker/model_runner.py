@@ -197,18 +197,6 @@ class ModelRunner:
         element = torch.tensor([], dtype=dtype).element_size()  # 1 for FP8: twice a 16-bit cache's blocks
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
-    def execute(
-        self,
-        scheduled: list[ScheduledRequest],
-        block_ids: dict[str, list[int]],
-        active_loras: set[int] | None = None,
-        kv_transfers: KVTransfers | None = None,
-    ) -> StepResult:
-        """One forward pass; each sampled request's new tokens (one, or the accepted drafts and one more),
-        or the exception its row alone raised. ``active_loras``: the adapters of every running request,
-        whose device slots this step must not take. ``kv_transfers``: the host tier's copies, made first."""
-        return self.launch(scheduled, block_ids, active_loras, kv_transfers).result()
-
     @torch.inference_mode()
     def launch(
         self,
@@ -218,8 +206,11 @@ class ModelRunner:
         kv_transfers: KVTransfers | None = None,
         previous: LaunchedStep | None = None,
     ) -> LaunchedStep:
-        """``execute`` up to the read-back of the sampled tokens. ``previous``: the step still in flight,
-        whose sampled tokens are the inputs of this step's rows with ``num_in_flight``."""
+        """One forward pass and its sampling, queued; ``LaunchedStep.result`` reads back each sampled
+        request's new tokens (one, or the accepted drafts and one more), or the exception its row alone
+        raised. ``active_loras``: the adapters of every running request, whose device slots this step must
+        not take. ``kv_transfers``: the host tier's copies, made first. ``previous``: the step still in
+        flight, whose sampled tokens are the inputs of this step's rows with ``num_in_flight``."""
         draft_probs = self._draft(scheduled, block_ids) if self.drafter is not None else {}
         inputs = self.prepare(scheduled, block_ids, previous)
         inputs.draft_probs = draft_probs
