@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput
-from pagedserve.server.engine.detokenizer import IncrementalDetokenizer, text_decoder
+from pagedserve.server.engine.detokenizer import IncrementalDetokenizer, stream_tokenizer, text_decoder
 from pagedserve.server.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.server.engine.processor import ProcessedRequest
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
@@ -72,6 +72,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer)
+        self._stream_backend = stream_tokenizer(tokenizer)  # None: the sequences decode by windows
         self.requests: dict[str, RequestState] = {}
         self.parent_of: dict[str, str] = {}  # core request id -> the caller's request id
         self._token_text: dict[int, str] = {}  # decode([token_id]) for logprobs, cached
@@ -94,6 +95,7 @@ class OutputProcessor:
                 min_tokens=params.min_tokens,
                 added_tokens=None if params.spaces_between_special_tokens else self._added_tokens,
                 decode=self._decode,
+                stream_backend=self._stream_backend,
             )
             samples[child.request_id] = SampleState(
                 index, detokenizer, child.metrics, [] if params.logprobs is not None else None
