@@ -19,7 +19,6 @@ drafter's own layers (its KV in the same slots), and hands its draw distribution
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.draft_model import DraftModel
 from pagedserve.server.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
+from pagedserve.server.worker.block_table import BlockTable
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
 from pagedserve.server.worker.prompt_logprobs import (
     PromptLogprobRows,
@@ -138,6 +138,8 @@ class ModelRunner:
         self.ranks = ranks
         self.block_size = block_size
         self.device = device
+        self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size), device,
+                                      None if device.type == "cpu" else self._to_device)
         allocate_kv_caches(model.attention_layers(), num_blocks, block_size, dtype, device)
         self.host_caches = self._host_caches(num_host_blocks, (block_size, num_kv_heads, head_dim), dtype)
         self.drafter: DraftModel | None = None
@@ -271,8 +273,8 @@ class ModelRunner:
         pending = [s for s in scheduled if s.spec_token_ids]
         if not pending:
             return {}
-        tables = _pad_block_tables([block_ids[s.request.request_id] for s in pending])
-        return self.drafter.propose(pending, tables, self._to_device)
+        rows = self.block_table.update([s.request.request_id for s in pending], block_ids)
+        return self.drafter.propose(pending, self.block_table.host_rows(rows), self._to_device)
 
     def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> StepResult:
         spec_rows = self._to_device(torch.tensor(inputs.spec_indices, dtype=torch.long))
@@ -301,9 +303,9 @@ class ModelRunner:
         ordered = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
-        rows: list[int] = []  # each token's row of the block tables
-        tables: list[list[int]] = []  # one per decode token, then one per prefill chunk
-        context_lens: list[int] = []  # per row of the block tables
+        rows: list[int] = []  # each token's row of the step's block tables
+        table_items: list[int] = []  # each row's request (its index in ``ordered``): per decode token,
+        context_lens: list[int] = []  # then per prefill chunk; and its context length
         sample_indices: list[int] = []
         sampled: list[Request] = []
         spec_indices: list[int] = []
@@ -314,11 +316,10 @@ class ModelRunner:
         num_decode_items = len(decodes)
         for index, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens + item.num_in_flight
-            blocks = block_ids[request.request_id]
             if item.num_new_tokens == 1 and not item.spec_token_ids and request.prompt_logprobs is None:
                 # One token and nothing else to do: most rows of a step, so kept to the bare appends.
-                rows.append(len(tables))
-                tables.append(blocks)
+                rows.append(len(table_items))
+                table_items.append(index)
                 context_lens.append(start + 1)
                 num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
                 if start < num_prompt:
@@ -336,12 +337,12 @@ class ModelRunner:
                 continue
             end = start + item.num_new_tokens
             if index < num_decode_items:  # a row per token, attending up to itself
-                rows.extend(range(len(tables), len(tables) + item.num_new_tokens))
-                tables.extend([blocks] * item.num_new_tokens)
+                rows.extend(range(len(table_items), len(table_items) + item.num_new_tokens))
+                table_items.extend([index] * item.num_new_tokens)
                 context_lens.extend(range(start + 1, end + 1))
             else:
-                rows.extend([len(tables)] * item.num_new_tokens)
-                tables.append(blocks)
+                rows.extend([len(table_items)] * item.num_new_tokens)
+                table_items.append(index)
                 context_lens.append(end)
             if (wanted := prompt_logprob_rows(request, len(token_ids), start, end)) is not None:
                 prompt_rows.append(wanted)
@@ -355,11 +356,14 @@ class ModelRunner:
             elif item.completes_sequence:
                 sample_indices.append(len(token_ids) - 1)
                 sampled.append(request)
-        table_t = _pad_block_tables(tables)
-        position_t = torch.tensor(positions, dtype=torch.long)
-        row_t = torch.tensor(rows, dtype=torch.long)
-        block_of_token = table_t[row_t, position_t // self.block_size].long()
-        slot_mapping = block_of_token * self.block_size + position_t % self.block_size
+        # Each row's and each token's row of the persistent table (server/worker/block_table.py)
+        item_rows = self.block_table.update([item.request.request_id for item in ordered], block_ids)
+        table_rows = item_rows[np.array(table_items, dtype=np.int64)]
+        position_np = np.array(positions, dtype=np.int64)
+        block_of_token = self.block_table.block_of(table_rows[np.array(rows, dtype=np.int64)], position_np,
+                                                   self.block_size)
+        slot_mapping = torch.from_numpy(block_of_token * self.block_size + position_np % self.block_size)
+        table_t = self.block_table.device_rows(table_rows)
         num_decodes = sum(s.num_new_tokens for s in decodes)
         prefill_lens = [s.num_new_tokens for s in prefills]
         cu_seqlens = torch.tensor([0, *prefill_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -368,9 +372,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to(slot_mapping),
             num_decode_tokens=num_decodes,
-            decode_block_tables=to(table_t[:num_decodes]),
+            decode_block_tables=table_t[:num_decodes],
             decode_context_lens=to(lens_t[:num_decodes]),
-            prefill_block_tables=to(table_t[num_decodes:]),
+            prefill_block_tables=table_t[num_decodes:],
             prefill_cu_seqlens_q=to(cu_seqlens),
             prefill_context_lens=to(lens_t[num_decodes:]),
         )
@@ -381,7 +385,7 @@ class ModelRunner:
             sources = [row_of[request_id] for request_id in in_flight_ids]
             input_ids[to(torch.tensor(in_flight_rows))] = previous.device_token_ids[to(torch.tensor(sources))]
         return StepInputs(
-            model=ModelInputs(input_ids, to(position_t), meta),
+            model=ModelInputs(input_ids, to(torch.from_numpy(position_np)), meta),
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,
@@ -403,15 +407,3 @@ def _adapter_of(item: ScheduledRequest) -> int:
 def _raw(cache: torch.Tensor) -> torch.Tensor:
     """The cache's bytes (its last dimension in bytes): copies that need no dtype support."""
     return cache.view(torch.uint8)
-
-
-def _pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """The tables as one zero-padded int32 matrix, filled through a mask in one numpy call (a Python
-    loop over rows costs more than the step's attention at a few hundred rows)."""
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    width = int(lengths.max()) if len(tables) else 0
-    padded = np.zeros((len(tables), width), dtype=np.int32)
-    padded[np.arange(width) < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum())
-    )
-    return torch.from_numpy(padded)
