@@ -36,6 +36,7 @@ from pagedserve.server.api.protocol import (
 )
 from pagedserve.server.engine.exceptions import InvalidRequestError
 from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+from pagedserve.server.engine.processor import UNSET_IS_DEFAULT
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
 from pagedserve.server.lora.request import LoRARequest
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
@@ -284,20 +285,8 @@ class OpenAIServing:
             "bad_words": request.bad_words,
             "output_kind": RequestOutputKind.DELTA,
         }
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
-            value = getattr(request, name)
-            if value is None:  # unset: the model's generation_config.json value, if any
-                value = self.engine.generation_defaults.get(name)
-            if value is not None:
-                kwargs[name] = value
+        for name in UNSET_IS_DEFAULT:  # None: the model's generation_config.json value, if any
+            kwargs[name] = getattr(request, name)
         if request.logit_bias:
             try:
                 kwargs["logit_bias"] = {
@@ -308,7 +297,8 @@ class OpenAIServing:
                     "logit_bias keys must be token ids (integers).", 400, param="logit_bias"
                 ) from exc
         try:
-            return SamplingParams(**kwargs, structured_outputs=structured_outputs_params(request))
+            kwargs["structured_outputs"] = structured_outputs_params(request)
+            return self.engine.sampling_params(**kwargs)
         except InvalidRequestError as exc:
             raise self.invalid_request(exc, "prompt") from exc
 

@@ -177,9 +177,8 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.processor.vocab_size
 
-    @property
-    def generation_defaults(self) -> dict[str, Any]:
-        return self.processor.generation_defaults
+    def sampling_params(self, **fields: Any) -> SamplingParams:
+        return self.processor.sampling_params(**fields)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from pagedserve.server.structured_output.compiler import CompiledGrammar, GrammarCompiler
 
 PromptInput = str | list[int] | dict[str, Any]
+# SamplingParams fields whose None means "unset" (they have no None of their own): the model's default, if
+# any, else SamplingParams'
+UNSET_IS_DEFAULT = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+)
 
 
 @dataclass
@@ -63,8 +68,8 @@ class Processor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
-        # The model's sampling defaults (server/loader/generation_config.py): for fields a request leaves
-        # unset, applied where requests are made (server/api/serving_base.py, server/llm.py) and here.
+        # The model's sampling defaults (server/loader/generation_config.py), for fields a request leaves
+        # unset: applied by sampling_params, and by _max_tokens to max_tokens.
         self.generation_defaults = dict(generation_defaults or {})
         self._grammar_compiler: GrammarCompiler | None = None
         # The adapters requests may name (server/lora/): the front end's copy of the core's registry,
@@ -81,12 +86,22 @@ class Processor:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar_compiler
 
+    def sampling_params(self, **fields: Any) -> SamplingParams:
+        """A request's parameters: the fields it sets over the model's sampling defaults (vLLM's
+        ``get_diff_sampling_param``), checked by SamplingParams (InvalidRequestError naming the field). A
+        field of ``UNSET_IS_DEFAULT`` given as None is unset. The one place the defaults apply: the server
+        maps each OpenAI request here, the offline LLM calls it with no fields."""
+        for name, value in self.generation_defaults.items():
+            if fields.get(name) is None:
+                # max_tokens stays None: _max_tokens applies the model's default within the context left
+                fields[name] = None if name == "max_tokens" else value
+        return SamplingParams(**{
+            name: value for name, value in fields.items() if value is not None or name not in UNSET_IS_DEFAULT
+        })
+
     def default_sampling_params(self) -> SamplingParams:
         """What a caller that gives no SamplingParams gets (vLLM's ``LLM.get_default_sampling_params``)."""
-        fields = dict(self.generation_defaults)
-        if "max_tokens" in fields:
-            fields["max_tokens"] = None  # _max_tokens applies the model's default within the context left
-        return SamplingParams(**fields)
+        return self.sampling_params()
 
     def register_lora(self, lora: LoRARequest) -> None:
         """Refuse an adapter whose name or id is taken (vLLM's messages); else requests may name it."""

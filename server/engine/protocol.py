@@ -56,8 +56,10 @@ class EngineClient(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    @property
-    def generation_defaults(self) -> dict[str, Any]: ...  # sampling defaults (--generation-config)
+    def sampling_params(self, **fields: Any) -> SamplingParams:
+        """The request's parameters over the model's defaults (--generation-config), checked:
+        InvalidRequestError naming the field (server/engine/processor.py ``Processor.sampling_params``)."""
+        ...
 
     async def add_request(
         self,

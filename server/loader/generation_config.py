@@ -1,9 +1,9 @@
 """``sampling_defaults``: the sampling values of a generation_config.json, as vLLM's ``--generation-config``.
 
 Model creators put recommended sampling values in generation_config.json; vLLM makes them the defaults
-of requests that do not set them (``ModelConfig.get_diff_sampling_param``), and so do we: the server
-(server/api/serving_base.py ``sampling_params``), the offline ``LLM`` when given no SamplingParams, and
-the Processor's default max_tokens (server/engine/processor.py).
+of requests that do not set them (``ModelConfig.get_diff_sampling_param``), and so do we, in one place:
+``Processor.sampling_params`` (server/engine/processor.py), which makes the server's requests' parameters
+and the offline ``LLM``'s when given none, and resolves an unset max_tokens with the model's.
 
 ``generation_config``: ``"auto"`` reads the model folder's file, ``"vllm"`` ignores it (the neutral
 defaults of server/sampling_params.py), any other value is a folder whose generation_config.json is read.
