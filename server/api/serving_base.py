@@ -181,10 +181,10 @@ class OpenAIServing:
         """The LoRA adapter a request's ``model`` names, None for the base model; 404 for any other name."""
         if model is None or model in self.model_names:
             return None
-        for lora in self.engine.list_loras():
-            if lora.lora_name == model:
-                return lora
-        raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+        try:
+            return self.engine.lora_named(model)
+        except InvalidRequestError as exc:
+            raise self.invalid_request(exc, "model") from exc
 
     def response_model(self, lora: LoRARequest | None) -> str:
         """What a response's ``model`` says: the adapter's name, or the base model's (vLLM's)."""
@@ -209,8 +209,9 @@ class OpenAIServing:
 
     @staticmethod
     def invalid_request(exc: InvalidRequestError, prompt_param: str, request: Any = None) -> APIError:
-        """The one place an engine refusal becomes a 400; the prompt is `messages` in a chat request, and
-        a constraint the grammar engine refuses is named by the field the request sent it in."""
+        """The one place an engine refusal becomes a 400 (a 404 for a model that does not exist); the prompt
+        is `messages` in a chat request, and a constraint the grammar engine refuses is named by the field
+        the request sent it in."""
         param = prompt_param if exc.param == "prompt" else exc.param
         message = exc.message
         if request is not None and param is not None and param.startswith("structured_outputs"):
@@ -218,7 +219,8 @@ class OpenAIServing:
             if field not in (None, "structured_outputs"):
                 message = message.replace(f"{param}: ", f"{field}: ", 1)
                 param = field
-        return APIError(message, 400, param=param, code=exc.code)
+        status = 404 if exc.code == "model_not_found" else 400
+        return APIError(message, status, param=param, code=exc.code)
 
     # ---- prompts ------------------------------------------------------------------------------------
 

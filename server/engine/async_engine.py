@@ -249,6 +249,9 @@ class AsyncEngine:
     def list_loras(self) -> list[LoRARequest]:
         return list(self.processor.lora_requests.values())
 
+    def lora_named(self, name: str) -> LoRARequest:
+        return self.processor.lora_named(name)
+
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check the adapter off the loop (LoRALoadError with the reason), then hand it to the
         core; requests may name it as soon as this returns (the core gets it before their "add")."""

@@ -128,17 +128,22 @@ class Processor:
         """The adapter no new request may name; KeyError when none has that name."""
         return self.lora_requests.pop(lora_name)
 
+    def lora_named(self, name: str) -> LoRARequest:
+        """The loaded adapter a request names (its ``model``); InvalidRequestError (model_not_found, the
+        API's 404) when there is none: the one place a name is decided to be an adapter or nothing."""
+        known = self.lora_requests.get(name)
+        if known is None:
+            raise InvalidRequestError(f"The model `{name}` does not exist.", param="model",
+                                      code="model_not_found")
+        return known
+
     def _check_lora(self, lora: LoRARequest | None) -> None:
         if lora is None:
             return
         if not self.enable_lora:
             raise InvalidRequestError("LoRA is not enabled: start the engine with --enable-lora.",
                                       param="model")
-        known = self.lora_requests.get(lora.lora_name)
-        if known is None:
-            raise InvalidRequestError(
-                f"The model `{lora.lora_name}` does not exist.", param="model", code="model_not_found"
-            )
+        known = self.lora_named(lora.lora_name)
         if known != lora:
             raise InvalidRequestError(
                 f"LoRA adapter `{lora.lora_name}` is loaded as {known}, not as {lora}.", param="model"

@@ -84,6 +84,10 @@ class EngineClient(Protocol):
 
     def list_loras(self) -> list[LoRARequest]: ...  # the loaded adapters requests may name
 
+    def lora_named(self, name: str) -> LoRARequest:
+        """The loaded adapter named ``name``: InvalidRequestError (code model_not_found) if none."""
+        ...
+
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter: LoRALoadError (a ValueError) with the reason, a taken name included."""
         ...
