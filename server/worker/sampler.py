@@ -323,7 +323,10 @@ def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     def column(values: list[float] | list[int]) -> torch.Tensor:
         return torch.tensor(values, device=device)
 
-    logits = logits / column([r.params.temperature for r in requests]).unsqueeze(1)
+    # A temperature past float32's range would be inf there, and a masked logit (-inf) over it NaN: the
+    # largest finite one keeps masked tokens at -inf and spreads the others evenly, as that temperature does.
+    temperatures = column([r.params.temperature for r in requests]).clamp(max=torch.finfo(torch.float32).max)
+    logits = logits / temperatures.unsqueeze(1)
     if any(r.params.min_p > 0 for r in requests):
         logits = _apply_min_p(logits, column([r.params.min_p for r in requests]))
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in requests):

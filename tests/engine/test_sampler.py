@@ -151,6 +151,14 @@ def test_allowed_token_ids_are_the_only_choices() -> None:
         assert {t.token_id for t in sample(logits, requests)} <= {7, 9}
 
 
+def test_a_huge_temperature_keeps_masked_tokens_out() -> None:
+    """A temperature past float32's range (1e126 reached the server in a fuzz run) spreads the choice over
+    the allowed tokens; it made every logit NaN once, and the sampler then picked a masked one."""
+    logits = torch.randn(1, VOCAB)
+    request = make_request(SamplingParams(temperature=1e126, allowed_token_ids=[7, 9]), seed=0)
+    assert {sample(logits, [request])[0].token_id for _ in range(16)} == {7, 9}
+
+
 def test_bad_word_last_token_is_banned_only_after_its_prefix() -> None:
     logits = torch.zeros(3, VOCAB)
     logits[:, 20] = 10.0
