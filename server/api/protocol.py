@@ -175,37 +175,39 @@ class StreamOptions(RequestModel):
 
 # --------------------------------------------------------------------------------------------- sampling
 class _SamplingFields(RequestModel):
-    """Fields common to both generation endpoints: OpenAI's, then vLLM's extras."""
+    """Fields common to both generation endpoints: OpenAI's, then vLLM's extras. Their values are checked
+    once, by the engine's SamplingParams and Processor (a 400 naming the field); the bounds here are
+    the wire's (integers a kernel or a generator can hold)."""
 
     model: Text | None = None
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
     logit_bias: dict[Text, float] | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = 1  # at most max_num_seqs (the Processor)
     seed: int | None = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
     stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = None
+    top_p: float | None = None
     user: Text | None = None  # the caller's end-user id, for the caller's own logs: nothing to do here
     # vLLM extras
     best_of: int | None = Field(None, ge=1)
     use_beam_search: bool = False
-    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    top_k: int | None = Field(None, le=_INT32_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     priority: Literal[0] = Field(0, description="vLLM's; only 0: priority scheduling is not implemented")
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
     cache_salt: Text | None = Field(None, min_length=1)  # only requests with the same salt share KV blocks
 
 
@@ -293,7 +295,7 @@ class CompletionRequest(_SamplingFields, _StructuredOutputFields):
 
     prompt: list[int] | list[list[int]] | Text | list[Text]
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     max_tokens: int | None = Field(16, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     suffix: Text | None = None
     add_special_tokens: bool = True
