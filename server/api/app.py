@@ -47,6 +47,7 @@ from pagedserve.server.api.protocol import (
 from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
 from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
+from pagedserve.server.engine.gc_heap import freeze_startup_heap
 from pagedserve.server.engine.protocol import EngineClient
 from pagedserve.server.lora.request import LoRALoadError, LoRARequest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -115,6 +116,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        freeze_startup_heap()
         try:
             yield
         finally:

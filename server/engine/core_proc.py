@@ -36,6 +36,7 @@ from pagedserve.server.engine.core_messages import (
     StepOutputs,
     portable,
 )
+from pagedserve.server.engine.gc_heap import freeze_startup_heap
 from pagedserve.server.log import configure_logging
 
 logger = logging.getLogger("pagedserve.engine")
@@ -55,6 +56,7 @@ def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> 
     except BaseException as exc:
         conn.send(StartupFailed(portable(exc)))
         return
+    freeze_startup_heap()
     try:
         CoreLoop(core, conn).run()
     finally:

@@ -12,6 +12,7 @@ from pagedserve.server.engine.core import EngineCore
 from pagedserve.server.engine.core_client import CoreProcessClient, make_core
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.exceptions import StepError
+from pagedserve.server.engine.gc_heap import freeze_startup_heap
 from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import ProcessedRequest, PromptInput, load_tokenizer, make_processor
@@ -28,6 +29,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config, self.core)
         self.processor = make_processor(self.core, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        freeze_startup_heap()
 
     @property
     def vocab_size(self) -> int:
