@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
+from pagedserve.server.engine.output import RequestMetrics
 
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig
@@ -79,6 +80,35 @@ class StepOutputs:
     kv_events: list[Any] = field(default_factory=list)
     failed_ids: list[str] = field(default_factory=list)
     error: BaseException | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled with its outputs as plain tuples: a batch's worth of dataclasses (and their metrics)
+        pickles ~8x slower and unpickles ~3x slower than the same values in tuples (256 outputs: 360 µs
+        against 45 µs on the core's side of the pipe, 440 µs against 160 µs with the rebuild on the front
+        end's), time that both processes' steps pay."""
+        rows = [_output_row(output) for output in self.outputs]
+        return _step_outputs, (rows, self.stats, self.kv_events, self.failed_ids, self.error)
+
+
+_OutputRow = tuple[Any, ...]
+
+
+def _output_row(o: EngineCoreOutput) -> _OutputRow:
+    m = o.metrics
+    return (o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
+            o.num_cached_tokens, m.arrival_time, m.first_scheduled_time, m.first_token_time,
+            m.last_token_time, m.finished_time, o.prompt_logprobs)
+
+
+def _step_outputs(rows: list[_OutputRow], stats: EngineStats, kv_events: list[Any], failed_ids: list[str],
+                  error: BaseException | None) -> StepOutputs:
+    outputs = [
+        EngineCoreOutput(request_id, token_ids, logprobs, finish, stop, cached,
+                         RequestMetrics(arrival, scheduled, first, last, finished), prompt_logprobs)
+        for (request_id, token_ids, logprobs, finish, stop, cached, arrival, scheduled, first, last, finished,
+             prompt_logprobs) in rows
+    ]
+    return StepOutputs(outputs, stats, kv_events, failed_ids, error)
 
 
 @dataclass(frozen=True)
