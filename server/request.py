@@ -33,8 +33,10 @@ class RequestStatus(enum.Enum):
         return self in FINISHED_STATUSES
 
 
-FINISHED_STATUSES = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+# A tuple, not a set: membership by identity, where a set would call Enum's __hash__, written in Python,
+# several times per request per step (server/engine/core_output.py, the scheduler's stops)
+FINISHED_STATUSES = (
+    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED
 )
 
 
