@@ -339,6 +339,7 @@ def _prompt_hashes(core: Any, prompt: list[int]) -> list[bytes]:
     return chain_hashes(prompt, 16, core.kv.root_hash)[: (len(prompt) - 1) // 16]
 
 
+@pytest.mark.heavy  # ~19 s; the tier's greedy parity stays in make test
 def test_aborts_and_preemption_leave_no_block_behind(
     model_path: str, prefixes: list[list[int]]
 ) -> None:

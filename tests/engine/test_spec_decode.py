@@ -206,6 +206,7 @@ def critical_value(df: int) -> float:
     return df * (1 - 2 / (9 * df) + 3.0902 * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.heavy  # ~26 s of sampling; greedy parity stays in make test
 def test_sampled_tokens_after_drafts_keep_the_target_distribution(llm: LLM, spec_llm: LLM) -> None:
     """The 2nd and 3rd tokens of a counting prompt come from verified drafts (the n-gram proposes " 2, 3"
     after the first token); their joint distribution over many seeded samples matches the plain engine's."""

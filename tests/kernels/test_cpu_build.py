@@ -35,6 +35,7 @@ def start(cache_dir: Path) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.heavy  # ~35 s: a real build, killed, then a real start
 def test_a_start_killed_while_building_leaves_nothing_that_stops_the_next(tmp_path: Path) -> None:
     first = start(tmp_path)
     builds = tmp_path / "cpu-kernels"

@@ -30,7 +30,7 @@ import yaml
 
 from pagedserve.testing.helm import CHART, find_tool, one, render
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # ~40 s: a real Prometheus scraping real servers
 
 MISSING = [
     m for m in ("pagedserve.server.api.cli", "pagedserve.router.cli") if importlib.util.find_spec(m) is None

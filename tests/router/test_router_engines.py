@@ -25,6 +25,7 @@ from pagedserve.testing.processes import router_process, serve_process
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.heavy,  # ~75 s: a fleet of real engines behind the router
     pytest.mark.skipif(
         importlib.util.find_spec("pagedserve.server.api.cli") is None,
         reason="`pagedserve serve` (pagedserve.server.api.cli) does not exist yet",

@@ -308,6 +308,7 @@ def all_synced(router, urls: list[str]) -> bool:
 
 @needs_engine
 @pytest.mark.slow
+@pytest.mark.heavy  # ~34 s of real engine and router restarts
 def test_kv_events_routing_through_engine_and_router_restarts(engines, tmp_path, default_tokenizer):
     urls = [e.url for e in engines]
     router = start_router(tmp_path, urls, default_tokenizer, "router1")

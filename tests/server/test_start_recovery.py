@@ -30,6 +30,7 @@ def wait_for_conversion(cache: Path, server, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.heavy  # ~32 s: a real server start, killed mid-conversion, and another
 def test_a_server_killed_while_converting_leaves_nothing_that_stops_the_next(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = fresh_cache_server(tmp_path / "first.log", cache).start()
