@@ -353,7 +353,8 @@ class RequestTracker:
         self.done = False
 
     def observe(self, output: RequestOutput) -> None:
-        """One DELTA output: its new tokens (inter-token latency) and finished samples (success counts)."""
+        """One DELTA output: its new tokens, the inter-token latencies the engine timed (whatever outputs
+        were folded into this one) and finished samples (success counts)."""
         num_new = 0
         for completion in output.outputs:
             num_new += len(completion.token_ids)
@@ -362,11 +363,10 @@ class RequestTracker:
                 counter = self.metrics.success.get(completion.finish_reason)
                 if counter is not None:
                     counter.inc()
+        for latency in output.inter_token_latencies:
+            self.metrics.itl.observe(latency)
         if num_new:
-            now = time.time()
-            if self.last_token is not None:
-                self.metrics.itl.observe(now - self.last_token)
-            self.last_token = now
+            self.last_token = time.time()
             self.num_tokens += num_new
         if output.finished:
             self.finish(output)

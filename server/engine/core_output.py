@@ -69,6 +69,9 @@ class EngineCoreOutput:
     metrics: RequestMetrics
     # With the first new token of a request that asked for them: the logprobs of prompt tokens 1..
     prompt_logprobs: list[SampledToken] | None = None
+    # When the step gave these tokens (``metrics`` is the request's own object in-process, which a core
+    # on a thread may have moved on by the time the front end reads it)
+    token_time: float | None = None
 
 
 def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOutput:
@@ -83,4 +86,5 @@ def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOut
         metrics=request.metrics,
         # Complete once the first token is sampled, and sent with it, once.
         prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == len(appended) else None,
+        token_time=request.metrics.last_token_time,
     )

@@ -52,6 +52,9 @@ class RequestOutput:
     # vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob and top-k.
     # A DELTA output carries them once, in the first output after they are known.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The gaps between the core's steps that gave this request tokens, since its last output (the core's
+    # timestamps, so vllm:inter_token_latency_seconds does not depend on how late the API reads them)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (text, tokens and logprobs)."""
@@ -73,3 +76,4 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         self.finished = delta.finished
         self.metrics = delta.metrics
+        self.inter_token_latencies.extend(delta.inter_token_latencies)

@@ -37,6 +37,7 @@ class SampleState:
     # How far DELTA outputs have gone: characters of text, tokens (and their logprobs).
     sent_chars: int = 0
     sent_tokens: int = 0
+    last_token_time: float | None = None  # the core's time of this sample's last step with tokens
 
     @property
     def finished(self) -> bool:
@@ -54,6 +55,7 @@ class RequestState:
     changed: set[int] = field(default_factory=set)  # sample indexes with news since the last output
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
+    inter_token_latencies: list[float] = field(default_factory=list)  # not yet in an output
 
     @property
     def finished(self) -> bool:
@@ -140,6 +142,7 @@ class OutputProcessor:
                 state.num_cached_tokens = core_output.num_cached_tokens
             if core_output.prompt_logprobs is not None:
                 state.prompt_logprobs = [None, *map(self._logprob_entry, core_output.prompt_logprobs)]
+            self._time_tokens(state, sample, core_output)
             if self._update(sample, core_output, state.params) and core_output.finish_reason is None:
                 to_abort.append(core_output.request_id)
             state.changed.add(sample.index)
@@ -154,6 +157,17 @@ class OutputProcessor:
         return ProcessedOutputs(outputs, to_abort)
 
     # ---- one sample ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _time_tokens(state: RequestState, sample: SampleState, core_output: EngineCoreOutput) -> None:
+        """The gap since the sample's last step with tokens, by the core's clock (vLLM's inter-token
+        latency: one per step, however many tokens the step gave)."""
+        now = core_output.token_time
+        if not core_output.new_token_ids or now is None:
+            return
+        if sample.last_token_time is not None:
+            state.inter_token_latencies.append(now - sample.last_token_time)
+        sample.last_token_time = now
 
     def _update(self, sample: SampleState, core_output: EngineCoreOutput, params: SamplingParams) -> bool:
         """Apply the step's tokens to one sample; True when a stop string finished it."""
@@ -230,7 +244,13 @@ class OutputProcessor:
             finished=state.finished,
             metrics=samples[0].metrics,
             prompt_logprobs=prompt_logprobs,
+            inter_token_latencies=self._take_latencies(state),
         )
+
+    @staticmethod
+    def _take_latencies(state: RequestState) -> list[float]:
+        latencies, state.inter_token_latencies = state.inter_token_latencies, []
+        return latencies
 
     @staticmethod
     def _visible_chars(sample: SampleState, params: SamplingParams) -> int:

@@ -17,7 +17,8 @@ def test_step_outputs_survive_the_pipe() -> None:
     token = SampledToken(7, logprob=-0.5, rank=1, top_ids=[7, 9], top_logprobs=[-0.5, -1.5])
     outputs = [
         EngineCoreOutput("plain", [5], None, None, None, 0, RequestMetrics(1.0, 2.0, 3.0, 3.0)),
-        EngineCoreOutput("done", [2], None, "stop", 2, 16, RequestMetrics(1.0, 2.0, 3.0, 4.0, 4.5)),
+        EngineCoreOutput("done", [2], None, "stop", 2, 16, RequestMetrics(1.0, 2.0, 3.0, 4.0, 4.5),
+                         token_time=4.0),
         EngineCoreOutput("logprobs", [7, 8], [token, token], None, None, 0, RequestMetrics(0.5),
                          prompt_logprobs=[token]),
     ]

@@ -56,3 +56,24 @@ def test_stop_string_ends_one_sample_and_later_tokens_are_ignored() -> None:
     (final,) = processed.request_outputs
     assert final.finished and [(c.index, c.text) for c in final.outputs] == [(1, "z!")]
     assert not outputs.requests and not outputs.parent_of
+
+
+def test_inter_token_latencies_come_from_the_core_and_survive_folding() -> None:
+    """One gap per step with tokens, by the core's timestamps; folded deltas keep every gap (the API's
+    histogram must not lose gaps when it reads late, server/engine/async_engine.py folds piled outputs)."""
+    tokenizer = CharTokenizer()
+    processor = Processor(tokenizer, vocab_size=256, max_model_len=64, max_num_seqs=4,
+                          eos_token_ids=frozenset())
+    outputs = OutputProcessor(tokenizer)
+    outputs.add_request(processor.process("r", "ab", SamplingParams(max_tokens=8,
+                                                                    output_kind=RequestOutputKind.DELTA)))
+    deltas = []
+    for char, at in (("x", 1.0), ("y", 1.5), ("z", 2.5)):
+        step = token("r", char)
+        step.token_time = at
+        deltas += outputs.process_outputs([step]).request_outputs
+    assert [d.inter_token_latencies for d in deltas] == [[], [0.5], [1.0]]
+    folded = deltas[0]
+    for later in deltas[1:]:
+        folded.add(later)
+    assert folded.inter_token_latencies == [0.5, 1.0]

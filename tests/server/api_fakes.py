@@ -157,7 +157,7 @@ class ScriptedCore:
             prompt_logprobs = [self._scripted_logprob(t, request.params.prompt_logprobs or 0)
                                for t in request.prompt_token_ids[1:]]
         return EngineCoreOutput(
-            request.request_id, [token], logprobs, finish, None, 0, metrics, prompt_logprobs
+            request.request_id, [token], logprobs, finish, None, 0, metrics, prompt_logprobs, token_time=now
         )
 
     @staticmethod
