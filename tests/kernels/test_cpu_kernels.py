@@ -31,8 +31,9 @@ def op():
         (4, 4, 64),  # no GQA
         (9, 3, 64),  # the embedded model
         (16, 2, 128),  # GQA 8, Llama-3 head_dim
-        (6, 2, 40),  # head_dim not a multiple of 64: the vector value path's scalar tail
-        (3, 1, 20),  # head_dim not a multiple of 8: scalar scores
+        (6, 2, 40),  # head_dim under 64: values eight dims at a time
+        (4, 2, 96),  # Phi-3's head_dim: values 64 dims, then eight at a time
+        (3, 1, 20),  # head_dim not a multiple of 8: scalar scores, and a scalar tail of values
     ],
 )
 @pytest.mark.parametrize(("sliding_window", "logit_softcap"), VARIANTS)
