@@ -4,7 +4,7 @@ against the offline engine (`LLM.generate`) on the same workload.
 The workload is N prompts of random token ids (the same ids for both sides, fresh ones each repeat so
 neither side is helped by the prefix cache of the previous repeat), each generating exactly
 --output-len tokens (ignore_eos) greedily. The offline side queues all N at once; the server side sends
-them as N concurrent streaming /v1/completions requests (httpx, `pagedserve bench serve`'s client) and
+them as N concurrent streaming /v1/completions requests (aiohttp, `pagedserve bench serve`'s client) and
 counts the server's own usage figures. Throughput = generated tokens / wall time from the first request
 to the last token. Offline and HTTP repeats alternate, so drifting machine load hits both alike; the
 report gives each side's median and the overhead 1 - http / offline (target: <= 10%). It also reports
@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from pagedserve.benchmarks.datasets import random_token_prompts
-from pagedserve.benchmarks.serve import send_request
+from pagedserve.benchmarks.serve import bench_session, send_request
 
 from pagedserve.testing.processes import ServerProcess, cpu_seconds, serve_process
 
@@ -98,8 +97,7 @@ def run_offline(llm: Any, prompts: list[list[int]], output_len: int) -> Run:
 async def run_http(base_url: str, prompts: list[list[int]], output_len: int, server_pid: int) -> Run:
     url = f"{base_url}/v1/completions"
     cpu = time.process_time() + cpu_seconds(server_pid)
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with bench_session(600.0) as client:
 
         def body(ids: list[int]) -> dict[str, Any]:
             return {

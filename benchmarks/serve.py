@@ -1,10 +1,10 @@
 """`pagedserve bench serve`: a serving benchmark against any OpenAI-compatible streaming endpoint.
 
-An async client (httpx) sends the prompts of a dataset at a request rate (``inf`` or Poisson arrivals at
-N req/s) under an optional concurrency cap, streams every response, and reports what vLLM's
-``vllm bench serve`` reports, under the same headings: successful and failed requests, duration,
-request and token throughputs, and mean / median / percentiles of TTFT, TPOT, ITL and end-to-end
-latency. Token counts are the server's own (``stream_options.include_usage``); requests ask for
+An async client (aiohttp, as vLLM's benchmark uses) sends the prompts of a dataset at a request rate
+(``inf`` or Poisson arrivals at N req/s) under an optional concurrency cap, streams every response, and
+reports what vLLM's ``vllm bench serve`` reports, under the same headings: successful and failed
+requests, duration, request and token throughputs, and mean / median / percentiles of TTFT, TPOT, ITL and
+end-to-end latency. Token counts are the server's own (``stream_options.include_usage``); requests ask for
 ``ignore_eos`` and ``min_tokens`` so that every request generates the tokens asked for.
 
 Definitions (as in vLLM): TTFT is the time from sending a request to its first non-empty streamed
@@ -12,7 +12,11 @@ text; ITL the gaps between later streamed chunks; TPOT a request's (latency - TT
 E2EL the time from sending a request to the end of its stream. Duration runs from the first request's
 arrival to the last response's end.
 
-Only httpx and tqdm are needed (no torch, no numpy); ``--tokenizer`` (exact prompt lengths) needs
+The client must cost the server's machine little: at 256 streams of a near-free model on two cores,
+httpx spent 36 µs of CPU per streamed token and aiohttp 8-12, which left the server the difference
+(benchmarks/README.md, "The engine's own host time").
+
+Only aiohttp and tqdm are needed (no torch, no numpy); ``--tokenizer`` (exact prompt lengths) needs
 transformers.
 """
 
@@ -224,57 +228,45 @@ def build_payload(
     return body
 
 
+def bench_session(request_timeout: float) -> Any:
+    """The client session of a run: no cap on connections (``--max-concurrency`` is the cap), each
+    request bounded by ``request_timeout`` seconds."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=request_timeout, connect=min(request_timeout, 60.0))
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+
 async def send_request(
     client: Any, url: str, body: dict, headers: dict, chat: bool, expected_output_len: int = 0
 ) -> RequestResult:
-    """One streamed request; never raises (errors land in ``result.error``)."""
-    import httpx
+    """One streamed request on ``client`` (an ``aiohttp.ClientSession``); never raises (errors land in
+    ``result.error``)."""
+    import aiohttp
 
     res = RequestResult(expected_output_len=expected_output_len)
-    st = res.start_time = time.perf_counter()
-    last = st
+    res.start_time = time.perf_counter()
     done = False
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {resp.status_code}: {text[:300]}"
+        async with client.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode("utf-8", "replace")
+                res.error = f"HTTP {resp.status}: {text[:300]}"
                 return res
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments, event names
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+            pending = b""
+            async for piece in resp.content.iter_any():
+                # Lines by hand: aiohttp's line reader refuses lines over 64 KiB (a chunk of logprobs).
+                *lines, pending = (pending + piece).split(b"\n")
+                for line in lines:
+                    if _take_line(res, line.strip(), chat):
+                        done = True
+                        break
+                if done:
                     break
-                obj = json.loads(data)
-                if obj.get("error"):
-                    err = obj["error"]
-                    res.error = "stream error: " + str(
-                        err.get("message", err) if isinstance(err, dict) else err
-                    )
-                    return res
-                now = time.perf_counter()
-                for choice in obj.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text:
-                        if res.chunk_times:
-                            res.itl.append(now - last)
-                        else:
-                            res.ttft = now - st
-                        last = now
-                        res.chunk_times.append(now)
-                        res.generated_text += text
-                    if choice.get("finish_reason"):
-                        res.finish_reason = choice["finish_reason"]
-                usage = obj.get("usage")
-                if usage:
-                    res.prompt_len = int(usage.get("prompt_tokens") or 0)
-                    res.output_len = int(usage.get("completion_tokens") or 0)
-                    res.usage_reported = True
         res.end_time = time.perf_counter()
-        res.latency = res.end_time - st
+        res.latency = res.end_time - res.start_time
+        if res.error:
+            return res
         if not done:
             res.error = "stream ended before data: [DONE]"
             return res
@@ -283,12 +275,44 @@ async def send_request(
         if not res.chunk_times:
             res.ttft = res.latency
         res.success = True
-    except (httpx.HTTPError, OSError, ValueError) as e:  # connection refused/reset, bad JSON, timeouts
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:  # refused, reset, bad JSON
         res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     finally:
         if not res.end_time:
             res.end_time = time.perf_counter()
     return res
+
+
+def _take_line(res: RequestResult, line: bytes, chat: bool) -> bool:
+    """Fold one SSE line into ``res``; True once the stream is over (``[DONE]``, or an error event)."""
+    if not line.startswith(b"data:"):
+        return False  # blank separators, SSE comments, event names
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return True
+    obj = json.loads(data)
+    if obj.get("error"):
+        err = obj["error"]
+        res.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)
+        return True
+    now = time.perf_counter()
+    for choice in obj.get("choices") or ():
+        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if text:
+            if res.chunk_times:
+                res.itl.append(now - res.chunk_times[-1])
+            else:
+                res.ttft = now - res.start_time
+            res.chunk_times.append(now)
+            res.generated_text += text
+        if choice.get("finish_reason"):
+            res.finish_reason = choice["finish_reason"]
+    usage = obj.get("usage")
+    if usage:
+        res.prompt_len = int(usage.get("prompt_tokens") or 0)
+        res.output_len = int(usage.get("completion_tokens") or 0)
+        res.usage_reported = True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -442,9 +466,9 @@ async def run_once(
 async def _resolve_model(client: Any, base_url: str, headers: dict) -> str:
     url = base_url.rstrip("/")
     url = (url if url.endswith("/v1") else url + "/v1") + "/models"
-    resp = await client.get(url, headers=headers)
-    resp.raise_for_status()
-    data = resp.json().get("data") or []
+    async with client.get(url, headers=headers) as resp:
+        resp.raise_for_status()
+        data = (await resp.json()).get("data") or []
     if not data:
         raise RuntimeError(f"{url} lists no models; pass --model")
     return data[0]["id"]
@@ -452,7 +476,7 @@ async def _resolve_model(client: Any, base_url: str, headers: dict) -> str:
 
 async def _wait_ready(client: Any, base_url: str, headers: dict, timeout: float) -> None:
     """Wait until the server accepts connections (any HTTP answer counts)."""
-    import httpx
+    import aiohttp
 
     deadline = time.monotonic() + max(timeout, 0.0)
     url = base_url.rstrip("/")
@@ -460,9 +484,9 @@ async def _wait_ready(client: Any, base_url: str, headers: dict, timeout: float)
     announced = False
     while True:
         try:
-            await client.get(url, headers=headers)
-            return
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, OSError):
+            async with client.get(url, headers=headers):
+                return
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
             if time.monotonic() >= deadline:
                 raise
             if not announced:
@@ -497,16 +521,12 @@ def load_requests(cfg: argparse.Namespace) -> list[datasets.SampleRequest]:
 
 
 async def main_async(cfg: argparse.Namespace) -> int:
-    import httpx
-
     base_url = cfg.base_url or f"http://{cfg.host}:{cfg.port}"
     url = _api_url(base_url, cfg.endpoint)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     requests = load_requests(cfg)
     chat = cfg.endpoint == "chat"
-    timeout = httpx.Timeout(cfg.request_timeout, connect=min(cfg.request_timeout, 60.0))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with bench_session(cfg.request_timeout) as client:
         try:
             await _wait_ready(client, base_url, headers, cfg.ready_check_timeout)
             if cfg.model is None:
