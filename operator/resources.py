@@ -36,7 +36,7 @@ from pagedserve.operator.spec import (
     quantity,
 )
 
-from pagedserve import __version__
+from pagedserve.version import __version__
 
 MANAGER = "pagedserve-operator"
 APP_NAME = "pagedserve"

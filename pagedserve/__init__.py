@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from pagedserve.version import __version__
 
 _LAZY = {
-    "LLM": "pagedserve.server.llm",
-    "LoRARequest": "pagedserve.server.lora.request",
+    "LLM": "pagedserve.server.entrypoints.llm",
+    "LoRARequest": "pagedserve.server.lora_request",
     "SamplingParams": "pagedserve.server.sampling_params",
     "StructuredOutputsParams": "pagedserve.server.sampling_params",
-    "RequestOutput": "pagedserve.server.engine.output",
-    "CompletionOutput": "pagedserve.server.engine.output",
+    "RequestOutput": "pagedserve.server.outputs",
+    "CompletionOutput": "pagedserve.server.outputs",
     "EngineConfig": "pagedserve.server.config",
     "default_model": "pagedserve.server.loader.default_model",
 }
@@ -35,10 +35,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig
-    from pagedserve.server.engine.output import CompletionOutput, RequestOutput
-    from pagedserve.server.llm import LLM
+    from pagedserve.server.entrypoints.llm import LLM
     from pagedserve.server.loader.default_model import default_model
-    from pagedserve.server.lora.request import LoRARequest
+    from pagedserve.server.lora_request import LoRARequest
+    from pagedserve.server.outputs import CompletionOutput, RequestOutput
     from pagedserve.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 

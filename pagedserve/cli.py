@@ -15,7 +15,9 @@ from collections.abc import Callable
 # name -> (module, help). Nested groups (bench) map to their own table.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedserve.server.api.cli", "run the OpenAI-compatible engine server"),
-    "generate": ("pagedserve.server.cli_generate", "generate text offline for one or more prompts"),
+    "generate": (
+        "pagedserve.server.entrypoints.cli_generate", "generate text offline for one or more prompts"
+    ),
     "router": ("pagedserve.router.cli", "run the KV-cache-aware router in front of engine replicas"),
     "operator": ("pagedserve.operator.main", "run the Kubernetes operator for ModelDeployments"),
 }
@@ -55,7 +57,7 @@ def _missing(name: str, error: ModuleNotFoundError) -> Callable[[argparse.Namesp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve import __version__
+    from pagedserve.version import __version__
 
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on Kubernetes")
     parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")

@@ -1,5 +1,5 @@
 """One subscription per replica to its engine's KV events (``GET /v1/kv_events``, newline-delimited
-JSON, server/engine/kv_events.py), feeding router/kv_index.py for ``--strategy kv-events``.
+JSON, server/core/kv_events.py), feeding router/kv_index.py for ``--strategy kv-events``.
 
 Each subscription starts with the engine's snapshot, so a router that (re)starts rebuilds its index
 from it. A stream that ends (engine restart, a subscriber the engine dropped for being slow, a network
@@ -26,7 +26,7 @@ from pagedserve.router.kv_index import GapError, KVIndex
 logger = logging.getLogger(__name__)
 
 EVENTS_PATH = "/v1/kv_events"
-HEARTBEAT_TIMEOUT_S = 20.0  # the engine sends a line at least every 5 s (server/engine/kv_events.py)
+HEARTBEAT_TIMEOUT_S = 20.0  # the engine sends a line at least every 5 s (server/core/kv_events.py)
 
 
 class KVEventSubscriptions:

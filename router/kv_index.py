@@ -1,5 +1,5 @@
 """Which replica holds which KV blocks, as its engine reports them in KV events (router/kv_events.py,
-server/engine/kv_events.py). Pure: no I/O, no clocks; fed batch by batch and queried by the proxy.
+server/core/kv_events.py). Pure: no I/O, no clocks; fed batch by batch and queried by the proxy.
 
 A replica is *synchronised* from its snapshot (the first batch of every subscription: its block size,
 its hash root and every cached hash) until its stream ends or a batch's ``seq`` is not the next one;

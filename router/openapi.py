@@ -14,7 +14,7 @@ import json
 from functools import cache
 from typing import Any
 
-from pagedserve import __version__
+from pagedserve.version import __version__
 
 ERROR = {
     "type": "object",

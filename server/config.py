@@ -7,13 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pagedserve.server.lora.request import LoRAModulePath
-from pagedserve.server.spec_decode.config import SpeculativeConfig
+from pagedserve.server.lora_request import LoRAModulePath
+from pagedserve.server.speculative_config import SpeculativeConfig
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in fp32
 CPU_DEFAULT_BATCHED_TOKENS = 2048
 GPU_DEFAULT_BATCHED_TOKENS = 8192
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+# Weight quantization, each a method of server/layers/quantization/. "gguf": the checkpoint's own GGUF
+# blocks (a .gguf model, or the embedded one); server/loader/gguf.py reads them in place of the converted
+# folder's float tensors.
+QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {
     "fp32": "float32", "float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
@@ -57,7 +61,7 @@ class EngineConfig:
     # "triton" | "cpu" | "torch"; None: $PAGEDSERVE_ATTENTION_BACKEND, else by device (server/backend.py).
     # The engine sets it to the backend it runs.
     attention_backend: str | None = None
-    # Publish KV cache events on GET /v1/kv_events (server/engine/kv_events.py) for the router's
+    # Publish KV cache events on GET /v1/kv_events (server/core/kv_events.py) for the router's
     # kv-events strategy. vLLM configures its ZMQ publisher with --kv-events-config; ours is one stream
     # on the engine's own port, so a switch is all there is to say.
     enable_kv_events: bool = False
@@ -67,7 +71,7 @@ class EngineConfig:
     # vLLM's calculate_kv_scales: set an FP8 cache's scales from the first prefill's K/V (amax / 448)
     # instead of 1.0.
     calculate_kv_scales: bool = False
-    # vLLM's dict (or its JSON text), parsed into server/spec_decode/config.py SpeculativeConfig; None: off
+    # vLLM's dict (or its JSON text), parsed into server/speculative_config.py SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Weight quantization (server/layers/quantization/): "int8" (weight-only, per output channel, quantized
     # at load), "gguf" (a .gguf model's own Q8_0/Q4_0/Q4_1 blocks) or None: the checkpoint's own format, as
@@ -126,8 +130,6 @@ class EngineConfig:
         else:
             self.quantization_reason = "asked for (quantization / --quantization)"
         if self.quantization is not None:
-            from pagedserve.server.layers.quantization import QUANTIZATION_METHODS
-
             self.quantization = self.quantization.lower()
             if self.quantization not in QUANTIZATION_METHODS:
                 raise ValueError(

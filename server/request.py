@@ -10,14 +10,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.server.engine.output import RequestMetrics
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
-    from pagedserve.server.structured_output.matcher import GrammarState
-    from pagedserve.server.worker.sampler import SampledToken
+    from pagedserve.server.grammar_state import GrammarState
+    from pagedserve.server.outputs import SampledToken
 
 
 class RequestStatus(enum.Enum):
@@ -65,7 +65,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None  # the stop_token_id that finished it
     generator: torch.Generator | None = None  # made by the core, on its device
-    # params.structured_outputs' matcher, this sample's own (server/structured_output/matcher.py)
+    # params.structured_outputs' matcher, this sample's own (server/grammar_state.py)
     grammar: GrammarState | None = None
     # Speculative decoding (server/spec_decode/): the drafts proposed for the next step, verified there and
     # never part of the sequence until accepted; the EWMA of their acceptance and the pause it may cause.

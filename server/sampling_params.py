@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.exceptions import InvalidRequestError
 
 SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 MAX_LOGPROBS = 20  # top-k bound of logprobs and prompt_logprobs: vLLM's default --max-logprobs
@@ -131,7 +131,7 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Greedy, with nothing that changes the logits first and no logprobs: a batch of only such rows
-        is sampled by one argmax (server/worker/sampler.py ``sample_on_device``)."""
+        is sampled by one argmax (server/sample/sampler.py ``sample_on_device``)."""
         return (
             self.temperature < SAMPLING_EPS
             and self.logprobs is None

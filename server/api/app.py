@@ -49,11 +49,11 @@ from pagedserve.server.api.serving_completion import OpenAIServingCompletion
 from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
 from pagedserve.server.engine.gc_heap import freeze_startup_heap
 from pagedserve.server.engine.protocol import EngineClient
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from pagedserve import __version__
+from pagedserve.version import __version__
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 

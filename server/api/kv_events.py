@@ -1,5 +1,5 @@
 """``GET /v1/kv_events``: the engine's KV cache events as newline-delimited JSON (the format is in
-server/engine/kv_events.py). Behind the same bearer auth as the other /v1 routes (server/api/auth.py),
+server/core/kv_events.py). Behind the same bearer auth as the other /v1 routes (server/api/auth.py),
 on the engine's own port, so it reaches the router through the engines' Service.
 
 404 when the engine runs without ``--enable-kv-events``; 503 when it has as many subscribers as it

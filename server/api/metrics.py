@@ -17,8 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from pagedserve.server.engine.core_output import KVOffloadStats, LoRAStats
-    from pagedserve.server.engine.output import RequestOutput
     from pagedserve.server.engine.protocol import EngineClient
+    from pagedserve.server.outputs import RequestOutput
     from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 
 LABELS = ["model_name", "engine"]

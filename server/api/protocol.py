@@ -24,7 +24,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.sampling_params import (
     MAX_LOGPROBS,  # one bound for the API and the engine
     StructuredOutputsParams,
@@ -703,7 +703,7 @@ class VersionResponse(OpenAIBaseModel):
     kv_cache_dtype: str = "auto"  # the KV cache's element type: "auto" (the model's dtype) or "fp8"
     kv_offloading_size: float | None = None  # GiB of the CPU KV tier (--kv-offloading-size); None: off
     kv_offloading_backend: str | None = None  # "native" when the tier is on
-    # the speculative decoding in force (server/spec_decode/config.py, vLLM's keys), None for none
+    # the speculative decoding in force (server/speculative_config.py, vLLM's keys), None for none
     speculative_config: dict[str, Any] | None = None
     architectures: list[str] = []  # the model architectures this server can load (server/models/registry.py)
     enable_lora: bool = False  # LoRA adapters can be served (--enable-lora)

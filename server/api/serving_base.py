@@ -34,11 +34,11 @@ from pagedserve.server.api.protocol import (
     constraint_field,
     structured_outputs_params,
 )
-from pagedserve.server.engine.exceptions import InvalidRequestError
-from pagedserve.server.engine.output import CompletionOutput, RequestOutput
 from pagedserve.server.engine.processor import UNSET_IS_DEFAULT
 from pagedserve.server.engine.protocol import EngineClient, RequestStream
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.exceptions import InvalidRequestError
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse

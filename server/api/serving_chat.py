@@ -15,8 +15,8 @@ from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 from pagedserve.server.api.tool_parsers.base import ToolParser
 from pagedserve.server.api.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from pagedserve.server.api.tool_parsers.stream import ToolCallStream, whole_reply
-from pagedserve.server.engine.exceptions import InvalidRequestError
-from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+from pagedserve.server.exceptions import InvalidRequestError
+from pagedserve.server.outputs import CompletionOutput, RequestOutput
 from starlette.requests import Request
 from starlette.responses import Response
 

@@ -16,7 +16,7 @@ from pagedserve.server.api.serving_base import (
     OpenAIServing,
     ResponseForm,
 )
-from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+from pagedserve.server.outputs import CompletionOutput, RequestOutput
 from starlette.requests import Request
 from starlette.responses import Response
 

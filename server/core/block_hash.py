@@ -1,6 +1,6 @@
 """The prefix cache's block hash, shared by the engine (server/core/kv_cache_manager.py) and the router
 (router/hashing.py, router/kv_index.py): one function, so the router computes from its own tokenization
-exactly the hashes an engine reports in its KV events (server/engine/kv_events.py).
+exactly the hashes an engine reports in its KV events (server/core/kv_events.py).
 
 A full block's hash is BLAKE2b-16 over its parent's hash and its token ids as little-endian int64; the
 first block's parent is the root: a hash of the model seed (the engine's is ``f"{model_path}:{dtype}"``,

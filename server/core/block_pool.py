@@ -6,7 +6,7 @@ which is what makes eviction LRU. With a host tier (server/core/host_tier.py) a 
 there as it is evicted for reuse, so a later hit can load it back instead of recomputing it.
 
 With ``enable_kv_events`` the pool records what routers need to know of its hash map as KV events
-(server/engine/kv_events.py): a block evicted from it, or the whole map forgotten. The KV manager records
+(server/core/kv_events.py): a block evicted from it, or the whole map forgotten. The KV manager records
 the stores, which need the token ids the pool does not hold. Recording is a list append on the engine
 thread; the async engine takes the list after each step.
 """
@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedserve.server.core.host_tier import HostTier
-from pagedserve.server.engine.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
+from pagedserve.server.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
 @dataclass(eq=False)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from pagedserve.server.core.block_hash import hash_block, salted_root, seed_hash
 from pagedserve.server.core.block_pool import Block, BlockPool
 from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
-from pagedserve.server.engine.kv_events import BlockStored
+from pagedserve.server.core.kv_events import BlockStored
 from pagedserve.server.request import Request
 
 if TYPE_CHECKING:  # the block bookkeeping needs no torch

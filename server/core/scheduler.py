@@ -26,7 +26,7 @@ from pagedserve.server.core.stops import append_token
 from pagedserve.server.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedserve.server.worker.sampler import SampledToken
+    from pagedserve.server.outputs import SampledToken
 
 # What a step sampled, per request: its new tokens (one, or accepted drafts and one more), or the error
 # its row alone raised (server/worker/model_runner.py StepResult)

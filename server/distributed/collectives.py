@@ -1,7 +1,7 @@
 """The collectives a tensor-parallel model runs, over its ``TensorParallel`` group (no-ops on one rank).
 
 Every rank must call each one, in the same order: the driver tells the other ranks what to run
-(server/distributed/driver.py), so their calls match its own.
+(server/executor/tp_driver.py), so their calls match its own.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class Command:
     """``forward``: run ``inputs`` (on the CPU; each rank moves them to its device). ``logits``: the
     hidden rows ``[shape]`` of ``dtype`` follow as one tensor broadcast; every rank computes its vocab
     slice and gathers it to rank 0. ``kv_budget`` (CUDA, at start): profile and agree on the KV bytes
-    (``inputs``: server/distributed/worker.py ``KVBudgetRequest``). ``setup``: allocate the KV cache
+    (``inputs``: server/executor/tp_worker.py ``KVBudgetRequest``). ``setup``: allocate the KV cache
     (``inputs``: ``RunnerSetup``). ``stop``: leave the loop."""
 
     kind: CommandKind

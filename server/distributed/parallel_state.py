@@ -52,27 +52,3 @@ def building(tp: TensorParallel) -> Iterator[None]:
         yield
     finally:
         _current = previous
-
-
-def check_tensor_parallel(hf_config: Any, size: int) -> None:
-    """ValueError, naming the numbers, unless the model splits across ``size`` ranks: query heads and
-    the MLP width divide by it, and KV heads divide by it or it by them (then they are replicated)."""
-    if size == 1:
-        return
-    from pagedserve.server.models.registry import get_model_class
-
-    model_class = get_model_class(hf_config)
-    if not model_class.supports_tensor_parallel:
-        raise ValueError(f"{model_class.__name__} does not support tensor parallelism yet "
-                         f"(tensor_parallel_size {size}); run it with tensor_parallel_size 1")
-    spec = model_class.spec_from_config(hf_config)
-    heads, kv_heads = spec.num_heads, spec.num_kv_heads
-    if heads % size or (kv_heads % size and size % kv_heads):
-        raise ValueError(
-            f"tensor_parallel_size {size} does not split the model's attention heads: "
-            f"{heads} query heads and {kv_heads} KV heads (query heads must divide by it, KV heads by it "
-            f"or it by them)"
-        )
-    if spec.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the MLP's intermediate_size "
-                         f"{spec.intermediate_size}")

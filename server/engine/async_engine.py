@@ -8,7 +8,7 @@ on the loop and puts each into its request's asyncio queue. A stream that is clo
 finished aborts it, so its KV blocks return within one step.
 
 With ``enable_kv_events`` the thread takes the KV events each step recorded (a list swap) and hands them
-over the same way, to the publisher that serves GET /v1/kv_events (server/engine/kv_events.py).
+over the same way, to the publisher that serves GET /v1/kv_events (server/core/kv_events.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.server.core.kv_events import KVEventPublisher
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.exceptions import EngineDeadError, StepError
-from pagedserve.server.engine.kv_events import KVEventPublisher
-from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import (
     ProcessedRequest,
@@ -33,7 +31,9 @@ from pagedserve.server.engine.processor import (
     load_tokenizer,
     make_processor,
 )
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.exceptions import EngineDeadError, StepError
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import RequestOutput
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:

@@ -22,15 +22,15 @@ from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_slid
 from pagedserve.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, core_output
 from pagedserve.server.engine.core_stats import engine_stats
-from pagedserve.server.engine.exceptions import EngineDeadError, RankDiedError, StepError
+from pagedserve.server.exceptions import EngineDeadError, RankDiedError, StepError
 from pagedserve.server.executor.executor import Executor
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.proposer import DraftProposer
 from pagedserve.server.worker.model_runner import LaunchedStep
 
 if TYPE_CHECKING:
-    from pagedserve.server.engine.kv_events import KVEvent
+    from pagedserve.server.core.kv_events import KVEvent
     from pagedserve.server.lora.peft import AdapterWeights
 
 logger = logging.getLogger("pagedserve.engine")

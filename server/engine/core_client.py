@@ -40,8 +40,8 @@ from pagedserve.server.engine.core_messages import (
     StepOutputs,
 )
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.exceptions import EngineDeadError, StepError
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.exceptions import EngineDeadError, StepError
+from pagedserve.server.lora_request import LoRARequest
 from pagedserve.server.request import Request
 
 logger = logging.getLogger("pagedserve.engine")

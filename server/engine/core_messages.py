@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.outputs import RequestMetrics
 
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig
-    from pagedserve.server.lora.request import LoRARequest
+    from pagedserve.server.lora_request import LoRARequest
     from pagedserve.server.request import Request
 
 # ---- front end -> core ---------------------------------------------------------------------------------

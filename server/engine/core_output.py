@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
+    from pagedserve.server.outputs import SampledToken
     from pagedserve.server.request import Request
-    from pagedserve.server.worker.sampler import SampledToken
 
 
 @dataclass

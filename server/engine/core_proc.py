@@ -139,7 +139,7 @@ class CoreLoop:
         return self._grammars
 
     def _step(self) -> None:
-        from pagedserve.server.engine.exceptions import EngineDeadError, StepError
+        from pagedserve.server.exceptions import EngineDeadError, StepError
 
         core = self.core
         failed_ids: list[str] = []

@@ -11,12 +11,12 @@ from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.core import EngineCore
 from pagedserve.server.engine.core_client import CoreProcessClient, make_core
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.exceptions import StepError
 from pagedserve.server.engine.gc_heap import freeze_startup_heap
-from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import ProcessedRequest, PromptInput, load_tokenizer, make_processor
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.exceptions import StepError
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import RequestOutput
 from pagedserve.server.sampling_params import SamplingParams
 
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.engine.core_output import EngineCoreOutput
 from pagedserve.server.engine.detokenizer import IncrementalDetokenizer, stream_tokenizer, text_decoder
-from pagedserve.server.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.server.engine.processor import ProcessedRequest
+from pagedserve.server.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.server.worker.sampler import SampledToken
+    from pagedserve.server.outputs import SampledToken
 
 
 @dataclass

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.server.engine.exceptions import InvalidRequestError
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.loader.generation_config import sampling_defaults
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRARequest
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve.server.engine.core_output import EngineStats
-from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.processor import PromptInput
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import RequestOutput
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # config.py imports torch; the API layer does not need it at run time
     from pagedserve.server.config import EngineConfig
-    from pagedserve.server.engine.kv_events import KVEventPublisher
+    from pagedserve.server.core.kv_events import KVEventPublisher
 
 
 class RequestStream(Protocol):

@@ -2,7 +2,7 @@
 Executor, vllm/v1/executor/).
 
 It owns the weights (this rank's shard under tensor parallelism, whose other ranks it starts and joins,
-server/distributed/driver.py), the KV cache's size (what fits beside the weights and a profiled step on a
+server/executor/tp_driver.py), the KV cache's size (what fits beside the weights and a profiled step on a
 GPU, a fixed budget on the CPU, the host tier's share), the model runner (server/worker/model_runner.py)
 with its LoRA slots and drafter, and ``launch``: one scheduled step in, each sampled request's tokens out.
 The engine core (server/engine/core.py) sees only this object: no set-up and no per-feature branch of
@@ -20,11 +20,11 @@ import torch
 from pagedserve.server.backend import select_backend
 from pagedserve.server.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedserve.server.core.scheduler import SchedulerOutput
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from pagedserve.server.worker.model_runner import LaunchedStep, ModelRunner
 
 if TYPE_CHECKING:
-    from pagedserve.server.distributed.driver import TPDriver
+    from pagedserve.server.executor.tp_driver import TPDriver
     from pagedserve.server.lora.manager import LoRAManager
     from pagedserve.server.lora.peft import AdapterWeights
 
@@ -67,9 +67,9 @@ class Executor:
         size = self.config.tensor_parallel_size
         if size == 1:
             return None
-        from pagedserve.server.distributed.driver import TPDriver
-        from pagedserve.server.distributed.parallel_state import check_tensor_parallel
+        from pagedserve.server.executor.tp_driver import TPDriver
         from pagedserve.server.loader import load_config
+        from pagedserve.server.models.registry import check_tensor_parallel
 
         check_tensor_parallel(load_config(self.model_path), size)
         spec = dict(model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type,
@@ -100,7 +100,7 @@ class Executor:
         self.num_host_blocks = self._num_host_blocks(self.block_bytes)
         self._resolve_max_model_len()
         if self.ranks is not None:
-            from pagedserve.server.distributed.worker import RunnerSetup
+            from pagedserve.server.executor.tp_worker import RunnerSetup
 
             self.ranks.setup(RunnerSetup(self.num_blocks, config.block_size, config.max_num_seqs,
                                          config.max_model_len or 0, self.num_host_blocks))
@@ -193,7 +193,7 @@ class Executor:
         from pagedserve.server.worker.cuda_graphs import kv_cache_budget, profile_activation_peak
 
         if self.ranks is not None:  # every rank profiles its own shard; the smallest budget is everyone's
-            from pagedserve.server.distributed.worker import KVBudgetRequest
+            from pagedserve.server.executor.tp_worker import KVBudgetRequest
 
             request = KVBudgetRequest(self.config.batched_tokens, self.config.max_num_seqs,
                                       self.config.gpu_memory_utilization)

@@ -18,7 +18,7 @@ logits slices are gathered to rank 0.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +27,17 @@ from pagedserve.server.distributed.collectives import all_reduce, gather_to_driv
 from pagedserve.server.layers.quantization.base import LinearMethod
 from torch import nn
 
-if TYPE_CHECKING:
-    from pagedserve.server.lora.layers import LinearLoRA
-
 # How a Linear splits across tensor-parallel ranks: None (whole on every rank), "column" (output rows), "row"
 # (input columns, outputs summed over the ranks).
 Parallel = Literal["column", "row"] | None
+
+
+class OutputDelta(Protocol):
+    """What a layer above may attach to a Linear to add to its product (server/lora/layers.py
+    LinearLoRA): declared here so that this layer does not import the one that extends it."""
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
 
 # oneDNN's fp32 matmul is faster than the MKL sgemm behind F.linear at decode batch sizes on an AVX2 AMD
 # EPYC (1.27x for a forward's projections at 1-8 rows) and on par at prefill sizes (within +-10%, either
@@ -128,7 +133,7 @@ class Linear(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         self.set_method(UnquantizedLinearMethod())
         # server/lora/layers.py LinearLoRA, attached by server/lora/manager.py when LoRA is enabled
-        self.lora: LinearLoRA | None = None
+        self.lora: OutputDelta | None = None
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
             if bias

@@ -65,9 +65,9 @@ def load_model(
     config.json alone). The model is in eval mode; call it under
     ``torch.inference_mode()``.
     """
-    from pagedserve.server.distributed.parallel_state import SINGLE, building, check_tensor_parallel
+    from pagedserve.server.distributed.parallel_state import SINGLE, building
     from pagedserve.server.layers.quantization import process_weights_after_loading, quantize_linears
-    from pagedserve.server.models.registry import build_model
+    from pagedserve.server.models.registry import build_model, check_tensor_parallel
 
     device = torch.device(device)
     hf_config = load_config(path)

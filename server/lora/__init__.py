@@ -8,6 +8,6 @@
 The kernels are ``backend.kernels.lora_shrink`` / ``lora_expand`` (kernels/reference.py holds the spec).
 """
 
-from pagedserve.server.lora.request import LoRALoadError, LoRAModulePath, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRAModulePath, LoRARequest
 
 __all__ = ["LoRALoadError", "LoRAModulePath", "LoRARequest"]

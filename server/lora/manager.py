@@ -23,7 +23,7 @@ import torch
 from pagedserve.server.layers.linear import Linear
 from pagedserve.server.lora.layers import LinearLoRA, LoRAMapping
 from pagedserve.server.lora.peft import AdapterWeights, LoRAModelInfo, LoRATarget, load_peft_adapter
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from torch import nn
 
 logger = logging.getLogger("pagedserve.engine")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pagedserve.server.lora.request import LoRALoadError, LoRARequest
+from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata, allocate_kv_caches
-from pagedserve.server.worker.sampler import exponential_race
+from pagedserve.server.sample.sampler import exponential_race
 from torch import nn
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]

@@ -12,8 +12,8 @@ matcher is rolled back afterwards: server/engine/core.py advances it by the acce
 from __future__ import annotations
 
 import torch
+from pagedserve.server.grammar_state import GrammarState
 from pagedserve.server.structured_output.bitmask import BITS, GrammarBitmask
-from pagedserve.server.structured_output.matcher import GrammarState
 
 
 def check_drafts(grammar: GrammarState, drafts: list[int]) -> tuple[list[int], GrammarBitmask]:

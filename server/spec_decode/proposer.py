@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from pagedserve.server.request import Request
-from pagedserve.server.spec_decode.config import SpeculativeConfig
 from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 from pagedserve.server.spec_decode.ngram import propose_ngram
+from pagedserve.server.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagedserve.server.core.scheduler import Sampled, ScheduledRequest

@@ -2,7 +2,7 @@
 
 The runner (server/worker/model_runner.py) computes logits at the last known token and at each draft;
 row ``i`` is the target's next-token distribution after ``drafts[:i]``. Each row is processed exactly as
-server/worker/sampler.py processes a normal step (allowed ids, bad words, min_tokens, bias, penalties,
+server/sample/sampler.py processes a normal step (allowed ids, bad words, min_tokens, bias, penalties,
 then temperature, min-p, top-k/p), with the request seen as if ``drafts[:i]`` were already generated,
 so the tokens that come out are distributed exactly as without speculation:
 
@@ -23,15 +23,15 @@ import dataclasses
 
 import torch
 from pagedserve.server.request import Request
-from pagedserve.server.spec_decode.grammar_drafts import check_drafts
-from pagedserve.server.structured_output.bitmask import GrammarBitmask
-from pagedserve.server.worker.sampler import (
+from pagedserve.server.sample.sampler import (
     SampledToken,
     exponential_race,
     filtered_probs,
     process_logits,
     sampler_output,
 )
+from pagedserve.server.spec_decode.grammar_drafts import check_drafts
+from pagedserve.server.structured_output.bitmask import GrammarBitmask
 
 
 def verify_drafts(logits: torch.Tensor, request: Request, draft_token_ids: list[int],

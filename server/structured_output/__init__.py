@@ -11,5 +11,5 @@ enforce instead of dropping them). One concept per file:
 - ``matcher.py``: one request's position in its grammar (``Request.grammar``), advanced by
   server/engine/core.py with each accepted token;
 - ``bitmask.py``: the step's token bitmask, filled by server/worker/model_runner.py while the forward
-  pass runs and applied first by server/worker/sampler.py.
+  pass runs and applied first by server/sample/sampler.py.
 """

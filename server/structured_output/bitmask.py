@@ -2,7 +2,7 @@
 
 server/worker/model_runner.py fills it right after launching the forward pass: on a GPU the pass runs
 asynchronously, so the matchers' work on the CPU overlaps it; on the CPU backend the pass is synchronous
-and the fill simply follows it. server/worker/sampler.py applies it before anything else (vLLM V1 applies
+and the fill simply follows it. server/sample/sampler.py applies it before anything else (vLLM V1 applies
 its grammar bitmask to the logits before the sampler), so logprobs, penalties and sampling all see the
 masked logits. Rows without a grammar are neither filled nor touched.
 """

@@ -23,9 +23,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.server.grammar_state import GrammarState
 from pagedserve.server.sampling_params import StructuredOutputsParams
 from pagedserve.server.structured_output.grammar import GrammarKey, grammar_key, grammar_source
-from pagedserve.server.structured_output.matcher import GrammarState
 
 COMPILE_TIMEOUT_S = 5.0
 CACHE_SIZE = 256  # distinct constraints kept compiled

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.sampling_params import StructuredOutputsParams
 
 

@@ -20,7 +20,7 @@ drafter's own layers (its KV in the same slots), and hands its draw distribution
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,7 +29,9 @@ from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedserve.server.lora.manager import LoRAManager
+from pagedserve.server.outputs import SampledToken
 from pagedserve.server.request import Request
+from pagedserve.server.sample.sampler import LaunchedSample, launch_sample
 from pagedserve.server.spec_decode.draft_model import DraftModel
 from pagedserve.server.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
@@ -40,17 +42,24 @@ from pagedserve.server.worker.prompt_logprobs import (
     prompt_logprob_rows,
     record_prompt_logprobs,
 )
-from pagedserve.server.worker.sampler import LaunchedSample, SampledToken, launch_sample
 from torch import nn
 
-if TYPE_CHECKING:
-    from pagedserve.server.distributed.driver import TPDriver
+
+class OtherRanks(Protocol):
+    """The other tensor-parallel ranks as the runner drives them (server/executor/tp_driver.py TPDriver):
+    each model call is announced to them before rank 0 makes it, so that their collectives meet."""
+
+    def forward(self, inputs: ModelInputs) -> None: ...
+
+    def logits(self, hidden: torch.Tensor) -> None: ...
+
+    def copy_kv(self, transfers: KVTransfers) -> None: ...
 
 
 @dataclass
 class ModelInputs:
     """What the forward pass of a step reads; under tensor parallelism rank 0 sends it whole to every
-    other rank (server/distributed/driver.py), so a per-step input added here reaches them all."""
+    other rank (server/executor/tp_driver.py), so a per-step input added here reaches them all."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -118,7 +127,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         calculate_kv_scales: bool = False,
         lora: LoRAManager | None = None,
-        ranks: TPDriver | None = None,
+        ranks: OtherRanks | None = None,
         num_host_blocks: int = 0,
         draft_model: nn.Module | None = None,
     ) -> None:
@@ -127,7 +136,7 @@ class ModelRunner:
         layer's FP8 scales (server/layers/attention.py); armed after graph capture, whose dummy steps
         must not set them. ``lora``: the adapters' slots (server/lora/manager.py); the runner sets the
         step's token -> slot mapping, and the engine runs such a model without CUDA graphs. ``ranks``:
-        the other tensor-parallel ranks (server/distributed/driver.py), told of every model call first;
+        the other tensor-parallel ranks (server/executor/tp_driver.py), told of every model call first;
         None on one rank.
         ``num_host_blocks``: the host KV tier's blocks on this rank (0: none). ``draft_model``: the
         speculative drafter, given a cache of the same blocks (server/spec_decode/draft_model.py)."""

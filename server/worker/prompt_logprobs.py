@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from pagedserve.server.outputs import SampledToken
 from pagedserve.server.request import Request
-from pagedserve.server.worker.sampler import SampledToken
 
 ROWS_PER_SLICE = 256  # prompt positions turned into logits at once: 256 x 49k vocab x 4 B = 50 MB
 

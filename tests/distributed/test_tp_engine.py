@@ -12,7 +12,7 @@ import pytest
 import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.core.host_tier import KVTransfers
-from pagedserve.server.distributed.parallel_state import check_tensor_parallel
+from pagedserve.server.models.registry import check_tensor_parallel
 from transformers import MixtralConfig
 
 from pagedserve import LLM, SamplingParams

@@ -74,7 +74,7 @@ async def test_bad_request_fails_alone(engine: AsyncEngine) -> None:
 async def test_a_slow_grammar_compile_leaves_the_loop_free(engine: AsyncEngine) -> None:
     """Nested counted repetitions take about a second to compile (and are refused past the deadline):
     meanwhile the event loop keeps turning, so other streams are not held up."""
-    from pagedserve.server.engine.exceptions import InvalidRequestError
+    from pagedserve.server.exceptions import InvalidRequestError
     from pagedserve.server.sampling_params import StructuredOutputsParams
 
     ticks = 0
@@ -110,7 +110,7 @@ class _Released:
 
 
 def _delta(index: int, text: str, token: int, finish: str | None = None) -> Any:
-    from pagedserve.server.engine.output import CompletionOutput, RequestOutput
+    from pagedserve.server.outputs import CompletionOutput, RequestOutput
 
     return RequestOutput("r", None, [1], 0, [CompletionOutput(index, text, [token], None, None, finish)],
                          finished=finish is not None)

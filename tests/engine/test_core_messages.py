@@ -8,9 +8,8 @@ import pickle
 
 from pagedserve.server.engine.core_messages import StepOutputs
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
-from pagedserve.server.engine.exceptions import InvalidRequestError
-from pagedserve.server.engine.output import RequestMetrics
-from pagedserve.server.worker.sampler import SampledToken
+from pagedserve.server.exceptions import InvalidRequestError
+from pagedserve.server.outputs import RequestMetrics, SampledToken
 
 
 def test_step_outputs_survive_the_pipe() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 from pagedserve.server.engine.core_output import EngineCoreOutput
-from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import Processor
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.sampling_params import SamplingParams
 
 from pagedserve import LLM

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.llm_engine import LLMEngine
-from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.processor import make_processor
+from pagedserve.server.outputs import RequestOutput
 from pagedserve.server.sampling_params import RequestOutputKind
 
 from pagedserve import EngineConfig, SamplingParams, default_model

@@ -6,7 +6,7 @@ import random
 
 from pagedserve.server.core.block_pool import BlockPool
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 

@@ -12,14 +12,14 @@ from pagedserve.router.hashing import PromptHasher, hash_int
 from pagedserve.router.kv_index import KVIndex
 from pagedserve.server.core.block_hash import chain_hashes, salted_root
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
-from pagedserve.server.engine.kv_events import (
+from pagedserve.server.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventPublisher,
 )
-from pagedserve.server.engine.output import RequestMetrics
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 

@@ -13,8 +13,8 @@ import torch
 from pagedserve.server.config import GIB, EngineConfig
 from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
-from pagedserve.server.engine.kv_events import BlockStored
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.core.kv_events import BlockStored
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 

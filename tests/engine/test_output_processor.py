@@ -4,9 +4,9 @@ outputs that arrive for a sample after its stop string (the abort was still on i
 from __future__ import annotations
 
 from pagedserve.server.engine.core_output import EngineCoreOutput
-from pagedserve.server.engine.output import RequestMetrics
 from pagedserve.server.engine.output_processor import OutputProcessor
 from pagedserve.server.engine.processor import Processor
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -8,10 +8,9 @@ from typing import Any
 import pytest
 import torch
 from pagedserve.server.engine.core_output import EngineCoreOutput
-from pagedserve.server.engine.output import RequestMetrics, RequestOutput
 from pagedserve.server.engine.output_processor import OutputProcessor
+from pagedserve.server.outputs import RequestMetrics, RequestOutput, SampledToken
 from pagedserve.server.sampling_params import RequestOutputKind
-from pagedserve.server.worker.sampler import SampledToken
 
 from pagedserve import LLM, SamplingParams
 

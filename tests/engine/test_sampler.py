@@ -1,4 +1,4 @@
-"""The sampler alone (server/worker/sampler.py), on hand-made logits: device placement on every path,
+"""The sampler alone (server/sample/sampler.py), on hand-made logits: device placement on every path,
 the order of the filters, allowed_token_ids, bad words, penalties, and a row that fails alone."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
+from pagedserve.server.sample import sampler
+from pagedserve.server.sample.sampler import sample, sample_each, sample_on_device
 from pagedserve.server.sampling_params import SamplingParams
-from pagedserve.server.worker import sampler
-from pagedserve.server.worker.sampler import sample, sample_each, sample_on_device
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 

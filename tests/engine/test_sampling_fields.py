@@ -11,7 +11,7 @@ import pytest
 from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.llm_engine import StepError
 from pagedserve.server.request import Request
-from pagedserve.server.worker import sampler
+from pagedserve.server.sample import sampler
 
 from pagedserve import LLM, SamplingParams, default_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.core.scheduler import Scheduler, SchedulerOutput
-from pagedserve.server.engine.output import RequestMetrics
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request, RequestStatus
 from pagedserve.server.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ class RefusingGrammar:
 def test_update_from_output_appends_stops_and_fails_a_row_alone() -> None:
     """After a step: tokens appended through the stops, a finished request gone with its blocks, a row
     whose token the grammar refuses aborted alone, the token counters advanced."""
-    from pagedserve.server.worker.sampler import SampledToken
+    from pagedserve.server.outputs import SampledToken
 
     kv = KVCacheManager(16, BLOCK, enable_caching=False, hash_seed="m")
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)

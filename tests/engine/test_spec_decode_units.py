@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from pagedserve.server.config import EngineConfig
-from pagedserve.server.spec_decode.config import SpeculativeConfig
 from pagedserve.server.spec_decode.ngram import propose_ngram
 from pagedserve.server.spec_decode.rejection_sampler import accept_drafts
+from pagedserve.server.speculative_config import SpeculativeConfig
 
 
 def chi_square_critical(df: int, alpha: float = 1e-3) -> float:
@@ -168,7 +168,7 @@ def test_rejection_sampler_is_reproducible_with_a_seeded_generator() -> None:
 def test_acceptance_estimate_shortens_then_pauses_drafting(method: str) -> None:
     """One mechanism for both methods: a draft model's drafts are counted here (PENDING, drawn by the
     runner in the verifying step), an n-gram's looked up."""
-    from pagedserve.server.engine.output import RequestMetrics
+    from pagedserve.server.outputs import RequestMetrics
     from pagedserve.server.request import Request
     from pagedserve.server.sampling_params import SamplingParams
     from pagedserve.server.spec_decode.proposer import (
@@ -214,7 +214,7 @@ def test_acceptance_estimate_shortens_then_pauses_drafting(method: str) -> None:
 def test_scheduler_fits_drafts_to_the_budget_and_drops_them_before_preempting() -> None:
     from pagedserve.server.core.kv_cache_manager import KVCacheManager
     from pagedserve.server.core.scheduler import Scheduler
-    from pagedserve.server.engine.output import RequestMetrics
+    from pagedserve.server.outputs import RequestMetrics
     from pagedserve.server.request import Request
     from pagedserve.server.sampling_params import SamplingParams
 

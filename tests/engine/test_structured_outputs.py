@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import pytest
 import torch
-from pagedserve.server.engine.exceptions import InvalidRequestError, StepError
+from pagedserve.server.exceptions import InvalidRequestError, StepError
+from pagedserve.server.sample import sampler
 from pagedserve.server.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedserve.server.structured_output.bitmask import (
     GrammarBitmask,
@@ -20,7 +21,6 @@ from pagedserve.server.structured_output.bitmask import (
     fill_grammar_bitmask,
 )
 from pagedserve.server.structured_output.compiler import GrammarCompiler
-from pagedserve.server.worker import sampler
 
 if TYPE_CHECKING:
     from pagedserve.server.engine.async_engine import AsyncEngine

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pagedserve.server.engine.exceptions import InvalidRequestError
+from pagedserve.server.exceptions import InvalidRequestError
 
 from pagedserve import LLM, SamplingParams, default_model
 

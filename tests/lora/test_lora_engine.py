@@ -11,8 +11,8 @@ import pytest
 from conftest import GREEDY, MAX_TOKENS, LoRAFixture, copy_adapter, token_prompts
 from pagedserve.server.api.metrics import EngineStatsCollector
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
-from pagedserve.server.engine.output import RequestMetrics
-from pagedserve.server.lora.request import LoRALoadError, LoRAModulePath
+from pagedserve.server.lora_request import LoRALoadError, LoRAModulePath
+from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
 from prometheus_client import CollectorRegistry, generate_latest
 

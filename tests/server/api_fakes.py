@@ -17,9 +17,9 @@ from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats
 from pagedserve.server.engine.processor import Processor
-from pagedserve.server.lora.request import LoRALoadError
+from pagedserve.server.lora_request import LoRALoadError
+from pagedserve.server.outputs import SampledToken
 from pagedserve.server.request import Request
-from pagedserve.server.worker.sampler import SampledToken
 
 SCRIPT = "Paris is the capital of France. "
 OFFSET = 3

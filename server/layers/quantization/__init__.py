@@ -16,15 +16,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from pagedserve.server.config import QUANTIZATION_METHODS
 from pagedserve.server.layers.quantization.base import LinearMethod
 from pagedserve.server.layers.quantization.fp8 import Fp8LinearMethod
 from pagedserve.server.layers.quantization.gguf import GGUFLinearMethod
 from pagedserve.server.layers.quantization.int8 import Int8LinearMethod
 from torch import nn
-
-# "gguf": the checkpoint's own GGUF blocks (a .gguf model, or the embedded one); server/loader/gguf.py reads
-# them in place of the converted folder's float tensors.
-QUANTIZATION_METHODS = ("int8", "fp8", "gguf")
 
 
 def get_linear_method(name: str, kernels: ModuleType) -> LinearMethod:

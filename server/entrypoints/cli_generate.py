@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve import LLM, SamplingParams
+    from pagedserve.server.entrypoints.llm import LLM
+    from pagedserve.server.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,

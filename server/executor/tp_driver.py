@@ -1,7 +1,7 @@
 """Rank 0 of a tensor-parallel engine, in the engine process (vLLM V0's driver worker), and the other
 ranks' processes.
 
-``TPDriver.start`` spawns ranks 1 .. N-1 (server/distributed/worker.py), joins the group with them and
+``TPDriver.start`` spawns ranks 1 .. N-1 (server/executor/tp_worker.py), joins the group with them and
 watches them. The model runner (server/worker/model_runner.py) then sends each model call through it
 before running its own part: ``forward(inputs)`` (the step's inputs, whole) and ``logits(hidden)`` (the
 rows whose logits rank 0 needs); every rank runs the same collectives in the same order.
@@ -29,7 +29,8 @@ import torch.distributed as dist
 from pagedserve.server.distributed.collectives import broadcast_tensor
 from pagedserve.server.distributed.messages import Command, move_tensors
 from pagedserve.server.distributed.parallel_state import TensorParallel
-from pagedserve.server.distributed.worker import (
+from pagedserve.server.exceptions import RankDiedError
+from pagedserve.server.executor.tp_worker import (
     KVBudgetRequest,
     RunnerSetup,
     WorkerSpec,
@@ -37,7 +38,6 @@ from pagedserve.server.distributed.worker import (
     kv_budget,
     run_worker,
 )
-from pagedserve.server.engine.exceptions import RankDiedError
 
 logger = logging.getLogger("pagedserve.tp")
 

@@ -41,5 +41,5 @@ class EngineDeadError(RuntimeError):
 
 
 class RankDiedError(EngineDeadError):
-    """A tensor-parallel rank died (server/distributed/driver.py): no step can run again, the server
+    """A tensor-parallel rank died (server/executor/tp_driver.py): no step can run again, the server
     exits."""

@@ -9,9 +9,9 @@ from typing import Any
 
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.llm_engine import LLMEngine
-from pagedserve.server.engine.output import RequestOutput
 from pagedserve.server.engine.processor import PromptInput
-from pagedserve.server.lora.request import LoRARequest
+from pagedserve.server.lora_request import LoRARequest
+from pagedserve.server.outputs import RequestOutput
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from tqdm.auto import tqdm
 

@@ -1,6 +1,6 @@
 """A tensor-parallel rank other than 0: its own process, its shard of the model and of every KV block.
 
-``run_worker`` is the process's entry (multiprocessing's spawn context, server/distributed/driver.py). It
+``run_worker`` is the process's entry (multiprocessing's spawn context, server/executor/tp_driver.py). It
 joins the group, loads its shard, then does what rank 0 tells it, command by command, until ``stop``:
 the same forward passes over the same step inputs, and its vocabulary slice of each logits request. It
 samples nothing: rank 0 holds the whole logits. It exits when the engine process dies (a thread watches

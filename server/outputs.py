@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class SampledToken:
+    """One token the sampler picked (or a prompt token scored), with the logprobs asked for: the engine
+    core's record, before the front end decodes it into ``Logprob``s."""
+
+    token_id: int
+    logprob: float | None = None  # raw log-probability of the sampled token
+    rank: int | None = None  # 1 = most likely
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+@dataclass
 class Logprob:
     logprob: float
     rank: int | None = None

@@ -18,19 +18,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from pagedserve.server.outputs import SampledToken
 from pagedserve.server.request import Request
 from pagedserve.server.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
 logger = logging.getLogger("pagedserve.engine")
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # raw log-probability of the sampled token
-    rank: int | None = None  # 1 = most likely
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""What users run: the offline ``LLM`` and ``pagedserve generate`` (the HTTP server is server/api/)."""
