@@ -42,6 +42,7 @@ RUN mkdir /requirements \
  && python3 scripts/requirements.py pyproject.toml server > /requirements/server.txt \
  && python3 scripts/requirements.py pyproject.toml router operator > /requirements/control.txt
 COPY pagedserve/ pagedserve/
+COPY common/ common/
 COPY server/ server/
 COPY kernels/ kernels/
 COPY router/ router/

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.operator.spec import GROUP, KIND, PLURAL, VERSION, ModelDeploymentSpec
+from pagedserve.common.resource import GROUP, KIND, PLURAL, VERSION
+from pagedserve.operator.spec import ModelDeploymentSpec
 from pagedserve.operator.status import ModelDeploymentStatus
 from pydantic import BaseModel
 

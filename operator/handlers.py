@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from pagedserve.common.resource import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from pagedserve.operator import reconcile as rec
 from pagedserve.operator.kube import Kube, KubeError
 from pagedserve.operator.resources import MANAGER
-from pagedserve.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 RETRY_DELAY = 15.0
 # Seconds after its last heartbeat that a silent (crashed) replica stops holding the others paused.

@@ -20,7 +20,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from pagedserve.operator.spec import LAST_REQUEST_ANNOTATION, ModelDeploymentSpec
+from pagedserve.common.resource import LAST_REQUEST_ANNOTATION
+from pagedserve.operator.spec import ModelDeploymentSpec
 
 
 def parse_time(value: Any) -> datetime.datetime | None:

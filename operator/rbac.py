@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.common.resource import GROUP, PLURAL
 from pagedserve.operator.resources import CHILD_KINDS, ROUTER_RULES, ROUTER_SCALE_RULES
-from pagedserve.operator.spec import GROUP, PLURAL
 
 # Children: read, create, server-side apply (patch), delete (operator/kube.py).
 CHILD_VERBS = ["get", "create", "patch", "delete"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from kubernetes.utils.quantity import parse_quantity
+from pagedserve.common.resource import API_VERSION, PLURAL
 from pagedserve.operator.adapters import AdapterSync, sync_adapters
 from pagedserve.operator.idle import scale_down_due
 from pagedserve.operator.kube import Kube, KubeError
@@ -37,8 +38,6 @@ from pagedserve.operator.resources import (
     router_name,
 )
 from pagedserve.operator.spec import (
-    API_VERSION,
-    PLURAL,
     ModelDeploymentSpec,
     format_validation_error,
     parse_spec,

@@ -23,13 +23,10 @@ import hashlib
 import json
 from typing import Any
 
+from pagedserve.common.resource import API_VERSION, GROUP, KIND, PLURAL
 from pagedserve.operator.idle import activity_interval
 from pagedserve.operator.spec import (
-    API_VERSION,
-    GROUP,
     HF_SCHEME,
-    KIND,
-    PLURAL,
     Adapter,
     ModelDeploymentSpec,
     parse_spec,

@@ -21,14 +21,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-GROUP = "pagedserve.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "ModelDeployment"
-PLURAL = "modeldeployments"
-# Written by each router with spec.scaleFromZero (router/scaler.py), read by the operator (operator/idle.py).
-LAST_REQUEST_ANNOTATION = f"{GROUP}/last-request-time"
-
 EMBEDDED_MODEL = "embedded"
 PVC_SCHEME = "pvc://"
 

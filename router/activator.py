@@ -4,8 +4,8 @@ Holding (``--max-held-requests N`` > 0): a request that finds no ready replica w
 most N requests, each for at most ``--held-request-timeout`` seconds; when a replica becomes ready
 (``on_ready``, called on every membership change in router/proxy.py) every held request is released in
 arrival order and routed as usual. A full queue or a timeout answers 503 with ``Retry-After`` and the
-OpenAI error JSON (server/api/errors.py); a held request whose client leaves is cancelled by the proxy's
-disconnect watch (server/api/disconnect.py) and leaves the queue. While holding is on, the router counts
+OpenAI error JSON (common/errors.py); a held request whose client leaves is cancelled by the proxy's
+disconnect watch (common/disconnect.py) and leaves the queue. While holding is on, the router counts
 itself ready (``/ready``) whenever it can still hold: with 0 engines it must stay behind its Service, or
 no request could ever reach it to wake them.
 

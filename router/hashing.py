@@ -2,7 +2,7 @@
 
 The engine caches full KV blocks of ``block_size`` tokens, each found by a hash that chains the parent
 block's hash with the block's token ids. The router uses the engine's own function
-(server/core/block_hash.py) so that two prompts sharing a prefix share the hashes of its full blocks and,
+(common/block_hash.py) so that two prompts sharing a prefix share the hashes of its full blocks and,
 under ``--strategy kv-events``, so that the hashes it computes from the engine's published root are the
 very hashes the engine reports (router/kv_index.py). Under ``prefix-hash`` the chain's root is a hash of
 the model name: only consistency between router processes matters there.
@@ -15,7 +15,7 @@ Nothing here imports torch: the tokenizer is transformers' ``PreTrainedTokenizer
 ``tokenizers`` underneath), never ``AutoTokenizer``, which pulls in torch when it is installed.
 
 Chat templates render as the engine renders them: in the engine server's bounded sandbox
-(server/api/chat_template.py), with the same trust rule for a template sent with the request.
+(common/chat_template.py), with the same trust rule for a template sent with the request.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.common import block_hash
+from pagedserve.common.chat_template import ChatTemplateRenderer, TemplateLimits, request_template
 from pagedserve.router.segment_cache import SegmentCache
-from pagedserve.server.api.chat_template import ChatTemplateRenderer, TemplateLimits, request_template
-from pagedserve.server.core import block_hash
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def seed_hash(model_name: str) -> bytes:
 
 
 def salted_seed(seed: bytes, cache_salt: Any, lora_name: str | None = None) -> bytes:
-    """The chain's root for a request, computed as the engine computes it (server/core/block_hash.py
+    """The chain's root for a request, computed as the engine computes it (common/block_hash.py
     ``salted_root``): vLLM's ``cache_salt`` and the LoRA adapter the request names both seed the first
     block, so blocks computed under one adapter, the base model or another salt never share a prefix."""
     return block_hash.salted_root(seed, cache_salt if isinstance(cache_salt, str) else None, lora_name)

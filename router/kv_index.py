@@ -7,7 +7,7 @@ then its entries are dropped, and it counts as unknown (the balancer falls back 
 until a new snapshot arrives. A replica that reports more blocks than ``max_blocks`` is dropped too:
 an index must stay bounded whatever an engine sends.
 
-Matching hashes the request's token ids with the engine's function and root (server/core/block_hash.py),
+Matching hashes the request's token ids with the engine's function and root (common/block_hash.py),
 once per distinct (root, block size) among the replicas: a fleet of one model shares one.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.common.block_hash import chain_hashes
 from pagedserve.router.hashing import hash_int, salted_seed
-from pagedserve.server.core.block_hash import chain_hashes
 
 DEFAULT_MAX_BLOCKS = 1 << 21  # per replica: far above any engine's pool of blocks
 

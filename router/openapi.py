@@ -18,7 +18,7 @@ from pagedserve.version import __version__
 
 ERROR = {
     "type": "object",
-    "description": "OpenAI's error shape (server/api/errors.py).",
+    "description": "OpenAI's error shape (common/errors.py).",
     "required": ["error"],
     "properties": {
         "error": {

@@ -29,7 +29,7 @@ While no replica is ready, requests can be held until one is (``--max-held-reque
 timeout gets 503 with Retry-After), and the engines woken from zero (``--scale-from-zero``):
 router/activator.py.
 
-The router's own errors use the engine server's OpenAI error JSON (server/api/errors.py), so a client
+The router's own errors use the engine server's OpenAI error JSON (common/errors.py), so a client
 sees one error shape whether the router or a replica refused it.
 Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready, unless
 the router can still hold requests),
@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pagedserve.common.disconnect import ClientDisconnected, run_unless_disconnected
+from pagedserve.common.errors import error_json_bytes as error_json
 from pagedserve.router.activator import Activator, HeldRequestRefused
 from pagedserve.router.adapters import (
     ADAPTER,
@@ -76,8 +78,6 @@ from pagedserve.router.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from pagedserve.server.api.disconnect import ClientDisconnected, run_unless_disconnected
-from pagedserve.server.api.errors import error_json_bytes as error_json
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import datetime
 import logging
 from typing import Any
 
-from pagedserve.operator.spec import GROUP, LAST_REQUEST_ANNOTATION, PLURAL, VERSION
+from pagedserve.common.resource import GROUP, LAST_REQUEST_ANNOTATION, PLURAL, VERSION
 
 logger = logging.getLogger(__name__)
 

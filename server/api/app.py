@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from pagedserve.common.chat_template import ChatTemplateRenderer, TemplateLimits
+from pagedserve.common.errors import error_response, install_error_handlers
 from pagedserve.server.api.access_log import AccessLogMiddleware
 from pagedserve.server.api.auth import APIKeyMiddleware
-from pagedserve.server.api.chat_template import ChatTemplateRenderer, TemplateLimits
-from pagedserve.server.api.errors import error_response, install_error_handlers
 from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.kv_events import router as kv_events_router
 from pagedserve.server.api.metrics import ServerMetrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 
-from pagedserve.server.api.errors import error_json_bytes
+from pagedserve.common.errors import error_json_bytes
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset(

@@ -16,7 +16,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 
-from pagedserve.server.api.chat_template import TemplateLimits
+from pagedserve.common.chat_template import TemplateLimits
 from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 from pagedserve.server.log import configure_logging
 

@@ -10,7 +10,7 @@ when the server drains.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pagedserve.server.api.errors import error_response
+from pagedserve.common.errors import error_response
 from pagedserve.server.api.protocol import ErrorResponse
 from starlette.responses import Response, StreamingResponse
 

@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pagedserve.server.api.chat_template import ChatTemplateError, ChatTemplateRenderer, request_template
-from pagedserve.server.api.disconnect import ClientDisconnected, run_unless_disconnected, wait_for_disconnect
-from pagedserve.server.api.errors import APIError, error_body
+from pagedserve.common.chat_template import ChatTemplateError, ChatTemplateRenderer, request_template
+from pagedserve.common.disconnect import ClientDisconnected, run_unless_disconnected, wait_for_disconnect
+from pagedserve.common.errors import APIError, error_body
 from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
 from pagedserve.server.api.protocol import (
@@ -235,7 +235,7 @@ class OpenAIServing:
         return ids
 
     async def apply_chat_template(self, request: ChatTemplateFields) -> str:
-        """The request's conversation rendered with the chat template (server/api/chat_template.py: in
+        """The request's conversation rendered with the chat template (common/chat_template.py: in
         a sandbox, off the event loop, bounded)."""
         if request.add_generation_prompt and request.continue_final_message:
             raise APIError(

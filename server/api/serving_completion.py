@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.server.api.errors import APIError
+from pagedserve.common.errors import APIError
 from pagedserve.server.api.protocol import CompletionRequest
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.server.api.errors import APIError
+from pagedserve.common.errors import APIError
 from pagedserve.server.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedserve.server.core.block_hash import hash_block, salted_root, seed_hash
+from pagedserve.common.block_hash import hash_block, salted_root, seed_hash
 from pagedserve.server.core.block_pool import Block, BlockPool
 from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
 from pagedserve.server.core.kv_events import BlockStored

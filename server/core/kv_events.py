@@ -18,7 +18,7 @@ Wire format (``GET /v1/kv_events``, server/api/kv_events.py): newline-delimited 
       "parent_block_hash": "<hex>" | null, "token_ids": [...], "block_size": 16}, ...]}
 
 The first line is the snapshot: ``"snapshot": true``, the engine's ``block_size`` and ``hash_root``
-(server/core/block_hash.py), and ``AllBlocksCleared`` then one ``BlockStored`` listing every cached hash
+(common/block_hash.py), and ``AllBlocksCleared`` then one ``BlockStored`` listing every cached hash
 (parents first; no token ids). An empty line is a heartbeat.
 """
 

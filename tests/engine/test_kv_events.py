@@ -8,9 +8,9 @@ import json
 
 import httpx
 import pytest
+from pagedserve.common.block_hash import chain_hashes, salted_root
 from pagedserve.router.hashing import PromptHasher, hash_int
 from pagedserve.router.kv_index import KVIndex
-from pagedserve.server.core.block_hash import chain_hashes, salted_root
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.core.kv_events import (
     AllBlocksCleared,

@@ -334,7 +334,7 @@ def test_a_round_trip_brings_back_the_exact_bytes(
 
 
 def _prompt_hashes(core: Any, prompt: list[int]) -> list[bytes]:
-    from pagedserve.server.core.block_hash import chain_hashes
+    from pagedserve.common.block_hash import chain_hashes
 
     return chain_hashes(prompt, 16, core.kv.root_hash)[: (len(prompt) - 1) // 16]
 

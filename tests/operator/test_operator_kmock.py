@@ -22,9 +22,9 @@ import pytest
 kmock = pytest.importorskip("kmock")
 pytest.importorskip("kopf")
 
+from pagedserve.common.resource import LAST_REQUEST_ANNOTATION  # noqa: E402
 from pagedserve.operator import render  # noqa: E402
 from pagedserve.operator.resources import CHILD_KINDS, HASH_ANNOTATION  # noqa: E402
-from pagedserve.operator.spec import LAST_REQUEST_ANNOTATION  # noqa: E402
 from pagedserve.router.scaler import format_time  # noqa: E402
 
 from pagedserve.testing.kmock_cluster import (  # noqa: E402

@@ -7,10 +7,11 @@ import datetime
 from typing import Any
 
 import pytest
+from pagedserve.common.resource import LAST_REQUEST_ANNOTATION
 from pagedserve.operator import render
 from pagedserve.operator.idle import activity_interval, last_activity, scale_down_due
 from pagedserve.operator.rbac import RULES
-from pagedserve.operator.spec import LAST_REQUEST_ANNOTATION, parse_spec
+from pagedserve.operator.spec import parse_spec
 
 UTC = datetime.timezone.utc
 NOW = datetime.datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)

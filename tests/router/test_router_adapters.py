@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from pagedserve.common.block_hash import chain_hashes, salted_root, seed_hash
 from pagedserve.router.adapters import (
     ADAPTER,
     BASE,
@@ -20,7 +21,6 @@ from pagedserve.router.adapters import (
 from pagedserve.router.hashing import PromptHasher
 from pagedserve.router.kv_index import KVIndex
 from pagedserve.router.proxy import RouterApp, RouterConfig
-from pagedserve.server.core.block_hash import chain_hashes, salted_root, seed_hash
 
 from pagedserve.testing.fake_openai import FakeOpenAI
 from pagedserve.testing.net import wait_until
@@ -197,7 +197,7 @@ def test_adapter_prefix_hashes_never_collide_with_base_or_other_adapters(tiny_to
     assert sql == hasher.hashes_of(ids, None, "sql")  # stable: every router replica agrees
     assert not set(sql) & set(hasher.hashes_of(ids, "tenant-salt", "sql"))
 
-    # kv-events: the chain the index matches is the engine's (server/core/block_hash.py salted_root)
+    # kv-events: the chain the index matches is the engine's (common/block_hash.py salted_root)
     root = seed_hash("engine-seed")
     engine_root = salted_root(root, "s", "sql")
     engine_hashes = chain_hashes(ids, 4, engine_root)

@@ -1,4 +1,4 @@
-"""Issue 14: the router renders chat templates as the engine does (server/api/chat_template.py): in the
+"""Issue 14: the router renders chat templates as the engine does (common/chat_template.py): in the
 bounded sandbox, and a request's own template only with --trust-request-chat-template (else the raw
 messages are hashed and the engine decides)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from pagedserve.common.chat_template import TemplateLimits
 from pagedserve.router.cli import config_from_args
 from pagedserve.router.hashing import PromptHasher
-from pagedserve.server.api.chat_template import TemplateLimits
 
 MSGS = [{"role": "user", "content": "Hello there, how are you today? " * 4}]
 TEMPLATE = "{% for m in messages %}[[{{ m.role }}: {{ m.content }}]]{% endfor %}"

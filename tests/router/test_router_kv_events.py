@@ -11,11 +11,11 @@ import os
 
 import httpx
 import pytest
+from pagedserve.common.block_hash import chain_hashes, salted_root, seed_hash
 from pagedserve.router.balancer import HASH_RING, KV_EVENT_HIT, OVERLOAD_FALLBACK, PREFIX_HIT, Balancer
 from pagedserve.router.hashing import hash_int
 from pagedserve.router.kv_events import KVEventSubscriptions
 from pagedserve.router.kv_index import GapError, KVIndex
-from pagedserve.server.core.block_hash import chain_hashes, salted_root, seed_hash
 
 from pagedserve.testing.net import wait_until
 from pagedserve.testing.processes import router_process, serve_process

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 from api_fakes import FakeEngine, app_client, assert_400
+from pagedserve.common.chat_template import TemplateLimits
 from pagedserve.server.api.auth import OPEN_PATHS
-from pagedserve.server.api.chat_template import TemplateLimits
 from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS
 from starlette.routing import Route
 

@@ -1,9 +1,9 @@
-"""server/api/chat_template.py renders as transformers' apply_chat_template does, in its bounded sandbox."""
+"""common/chat_template.py renders as transformers' apply_chat_template does, in its bounded sandbox."""
 
 from __future__ import annotations
 
 import pytest
-from pagedserve.server.api.chat_template import ChatTemplateError, ChatTemplateRenderer, TemplateLimits
+from pagedserve.common.chat_template import ChatTemplateError, ChatTemplateRenderer, TemplateLimits
 from transformers import PreTrainedTokenizerFast
 
 from pagedserve import default_model
