@@ -18,8 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import make_paged_case
 from pagedserve.server.layers.linear import linear
+
+from pagedserve.testing.kernels import make_paged_case
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, LAYERS = 576, 9, 3, 64, 1536, 49152, 30
 

@@ -23,8 +23,9 @@ from types import ModuleType
 import torch
 from pagedserve.benchmarks.moe_layer import best_ms
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import make_lora_case
 from pagedserve.server.layers.linear import linear
+
+from pagedserve.testing.kernels import make_lora_case
 
 PROJECTIONS = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576)}
 

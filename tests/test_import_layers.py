@@ -92,6 +92,24 @@ def path_of_module(module: str) -> str | None:
     return None
 
 
+def package_of_path(path: str) -> str:
+    """The package a file of ours is in (``server/core/scheduler.py`` -> ``pagedserve.server.core``)."""
+    folder = path.rsplit("/", 1)[0]
+    for package, root in sorted(PACKAGE_FOLDERS.items(), key=lambda item: len(item[1]), reverse=True):
+        if folder == root or folder.startswith(root + "/"):
+            return ".".join([package, *folder[len(root):].strip("/").split("/")]).rstrip(".")
+    raise ValueError(f"{path} is in none of PACKAGE_FOLDERS")
+
+
+def absolute_module(source: str, module: str | None, level: int) -> str:
+    """What ``from <dots><module> import ...`` in ``source`` names."""
+    if level == 0:
+        return module or ""
+    parts = package_of_path(source).split(".")
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join([*base, *([module] if module else [])])
+
+
 def imports_of(path: Path) -> list[Import]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     source = str(path.relative_to(ROOT))
@@ -99,10 +117,11 @@ def imports_of(path: Path) -> list[Import]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [Import(source, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append(Import(source, node.module))
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_module(source, node.module, node.level)
+            found.append(Import(source, module))
             # "from pagedserve.server import config": the names may be modules themselves.
-            found += [Import(source, f"{node.module}.{alias.name}") for alias in node.names]
+            found += [Import(source, f"{module}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -157,3 +176,5 @@ def test_the_walk_sees_an_upward_import():
         "server/core/scheduler.py (server/core) imports pagedserve.server.engine.core (server/engine)"
     ]
     assert any(imp.module == "pagedserve.server.config" for imp in imports_of(ROOT / "server/engine/core.py"))
+    assert absolute_module("kernels/__init__.py", "reference", 1) == "pagedserve.kernels.reference"
+    assert absolute_module("server/core/scheduler.py", "engine.core", 2) == "pagedserve.server.engine.core"

@@ -21,7 +21,8 @@ import itertools
 import torch
 from pagedserve.benchmarks.gpu.common import copy_bandwidth, cuda_time, device_info, write_result
 from pagedserve.kernels import paged_attention_decode, reference
-from pagedserve.kernels.testing import fp8_paged_case, make_paged_case
+
+from pagedserve.testing.kernels import fp8_paged_case, make_paged_case
 
 decode_module = importlib.import_module("pagedserve.kernels.paged_attention_decode")
 TUNABLES = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM")

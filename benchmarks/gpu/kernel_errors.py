@@ -15,10 +15,11 @@ import pagedserve.kernels as triton_kernels
 import torch
 from pagedserve.benchmarks.gpu.common import device_info, write_result
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import GGUF_TYPES, make_paged_case, random_gguf_blocks
 from pagedserve.server.layers.quantization.int8 import quantize_per_channel
 from pagedserve.server.layers.rotary import build_cos_sin_cache
 from transformers import LlamaConfig
+
+from pagedserve.testing.kernels import GGUF_TYPES, make_paged_case, random_gguf_blocks
 
 BF16 = torch.bfloat16
 CUDA = torch.device("cuda")

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from pagedserve.benchmarks.gpu.common import cuda_time, device_info, write_result
 from pagedserve.kernels import paged_attention_prefill
-from pagedserve.kernels.testing import make_paged_case
+
+from pagedserve.testing.kernels import make_paged_case
 
 prefill_module = importlib.import_module("pagedserve.kernels.paged_attention_prefill")
 TUNABLES = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")

@@ -26,9 +26,10 @@ from pagedserve.benchmarks.gpu.common import copy_bandwidth, device_info, graph_
 from pagedserve.kernels.fp8_matmul import fp8_matmul
 from pagedserve.kernels.gguf_matmul import gguf_matmul
 from pagedserve.kernels.reference import quantize_fp8_rows
-from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
 from pagedserve.kernels.w8a16_matmul import w8a16_matmul
 from pagedserve.server.layers.quantization.int8 import quantize_per_channel
+
+from pagedserve.testing.kernels import GGUF_TYPES, random_gguf_blocks
 
 # (name, N, K) of Llama-3-8B's merged qkv, o, merged gate_up and down projections.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]

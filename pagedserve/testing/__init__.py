@@ -1,8 +1,10 @@
 """Helpers for pagedserve's own tests and benchmarks: free ports, real server and router processes,
 a fake OpenAI backend, and the Kubernetes manifest validator.
 
-Importable from an installed pagedserve (``tests/``, ``e2e/`` and ``benchmarks/`` use it as a package,
-with no ``sys.path`` edits). Importing it never imports torch: the router's tests run without it.
+Not part of the product: pyproject.toml leaves it out of the wheel (so out of the images). A clone's
+editable install (``make setup``) imports it from this folder, so ``tests/``, ``e2e/`` and the benchmarks
+run by hand use it as a package, with no ``sys.path`` edits. Importing it never imports torch: the
+router's tests run without it.
 
 - net.py: ``free_port()``, ``wait_http()`` (fails at once, with the log's tail, when the server dies)
 - processes.py: ``serve_process()``, ``router_process()``, ``fake_openai_process()`` and
@@ -17,4 +19,8 @@ with no ``sys.path`` edits). Importing it never imports torch: the router's test
 - openapi_fuzz.py: ``fuzz_openapi()``, schemathesis over a live server's /openapi.json
 - pod_security.py: ``restricted_violations()``, the Pod Security Standards "restricted" profile
 - sandbox.py: ``read_only_root()``, a process with a pod's read-only root filesystem (mount namespaces)
+- kernels.py: paged KV-cache, LoRA, MoE and GGUF cases for the kernel tests and kernel benchmarks
+- api_fakes.py: ``FakeEngine`` and ``app_client()``, the API server over a scripted engine
+- bench_helpers.py: ``standin()`` and ``bench_args()`` for the ``pagedserve bench`` tests
+- operator_examples.py: the design's example ModelDeployment and a LoRA spec
 """

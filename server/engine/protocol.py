@@ -1,6 +1,6 @@
 """``EngineClient``: all that the OpenAI layer (server/api/) may ask of an engine.
 
-server/engine/async_engine.py implements it over the real model, tests/server/api_fakes.py over a
+server/engine/async_engine.py implements it over the real model, pagedserve/testing/api_fakes.py over a
 scripted core; the API's handlers are typed with this protocol and nothing else.
 """
 

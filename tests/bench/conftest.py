@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bench_helpers import standin
 
+from pagedserve.testing.bench_helpers import standin
 from pagedserve.testing.processes import serve_process
 
 

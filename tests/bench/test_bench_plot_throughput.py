@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_helpers import bench_args
 from pagedserve.benchmarks import plot, throughput
+
+from pagedserve.testing.bench_helpers import bench_args
 
 
 def fake_run(conc, out_tps, ttft, label=None):

@@ -7,8 +7,9 @@ import re
 
 import httpx
 import pytest
-from bench_helpers import bench_args, standin
 from pagedserve.benchmarks import serve
+
+from pagedserve.testing.bench_helpers import bench_args, standin
 
 
 def run_serve(capsys, argv: list[str]) -> tuple[int, str]:

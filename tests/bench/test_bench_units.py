@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from bench_helpers import bench_args
 from pagedserve.benchmarks import datasets, serve, throughput
 from pagedserve.benchmarks.serve import RequestResult
+
+from pagedserve.testing.bench_helpers import bench_args
 
 
 def test_random_dataset_is_seeded_and_distinct():

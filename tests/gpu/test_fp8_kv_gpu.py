@@ -12,7 +12,8 @@ import pytest
 import torch
 from gpu_helpers import GPU, MODELS, engine_greedy, prompts, random_model
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import fp8_paged_case, hide_blocks_outside_window, make_paged_case
+
+from pagedserve.testing.kernels import fp8_paged_case, hide_blocks_outside_window, make_paged_case
 
 pytestmark = GPU
 

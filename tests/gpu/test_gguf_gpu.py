@@ -11,7 +11,8 @@ import pytest
 import torch
 from gpu_helpers import GPU, PROJECTION_SHAPES
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
+
+from pagedserve.testing.kernels import GGUF_TYPES, random_gguf_blocks
 
 pytestmark = GPU
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from gpu_helpers import GPU
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import hide_blocks_outside_window, make_paged_case
 from transformers import LlamaConfig
+
+from pagedserve.testing.kernels import hide_blocks_outside_window, make_paged_case
 
 pytestmark = GPU
 

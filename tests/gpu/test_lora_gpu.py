@@ -7,7 +7,8 @@ import pytest
 import torch
 from gpu_helpers import GPU
 from pagedserve.kernels import lora, reference
-from pagedserve.kernels.testing import make_lora_case
+
+from pagedserve.testing.kernels import make_lora_case
 
 pytestmark = GPU
 

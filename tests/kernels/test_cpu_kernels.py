@@ -3,7 +3,8 @@
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import contexts, hide_blocks_outside_window, make_paged_case
+
+from pagedserve.testing.kernels import contexts, hide_blocks_outside_window, make_paged_case
 
 # (sliding_window, logit_softcap): today's full attention, Mistral's window (shorter than a block, and
 # several blocks long), Gemma 2's soft-capping, both.

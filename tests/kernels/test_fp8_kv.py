@@ -10,7 +10,8 @@ fifth of e4m3's range (e4m3 keeps 3 mantissa bits: a relative rounding error of 
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import contexts, fp8_paged_case, hide_blocks_outside_window, make_paged_case
+
+from pagedserve.testing.kernels import contexts, fp8_paged_case, hide_blocks_outside_window, make_paged_case
 
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.05, 0.02  # randn values up to ~4.5: stored up to ~90 and ~225, below 448

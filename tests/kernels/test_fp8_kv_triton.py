@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 import torch
 from pagedserve.kernels import reference
 from pagedserve.kernels._triton_utils import interpreter_active
-from pagedserve.kernels.testing import contexts, fp8_paged_case, hide_blocks_outside_window, make_paged_case
+
+from pagedserve.testing.kernels import contexts, fp8_paged_case, hide_blocks_outside_window, make_paged_case
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}

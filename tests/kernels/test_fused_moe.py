@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import make_moe_case
+
+from pagedserve.testing.kernels import make_moe_case
 
 TRITON_CASES = Path(__file__).with_name("test_fused_moe_triton.py")
 

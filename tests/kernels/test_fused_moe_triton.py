@@ -15,7 +15,8 @@ if not (interpreter_active() or torch.cuda.is_available()):
 
 import pagedserve.kernels as kernels
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import make_moe_case
+
+from pagedserve.testing.kernels import make_moe_case
 
 # The module, not the function of the same name that pagedserve.kernels exports.
 fused_moe_module = importlib.import_module("pagedserve.kernels.fused_moe")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import GGUF_TYPES as TYPES
-from pagedserve.kernels.testing import random_gguf_blocks as random_blocks
+
+from pagedserve.testing.kernels import GGUF_TYPES as TYPES
+from pagedserve.testing.kernels import random_gguf_blocks as random_blocks
 
 # The embedded model's projections (qkv 576->960, gate_up 576->3072, down 1536->576), a channel tail (not a
 # multiple of the 4-channel tile), one block, and a K with an odd number of blocks.

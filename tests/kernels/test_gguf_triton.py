@@ -13,8 +13,9 @@ pytest.importorskip("triton")
 import torch
 from pagedserve.kernels import reference
 from pagedserve.kernels._triton_utils import interpreter_active
-from pagedserve.kernels.testing import GGUF_TYPES as TYPES
-from pagedserve.kernels.testing import random_gguf_blocks as random_blocks
+
+from pagedserve.testing.kernels import GGUF_TYPES as TYPES
+from pagedserve.testing.kernels import random_gguf_blocks as random_blocks
 
 pytestmark = pytest.mark.skipif(not interpreter_active(), reason="run by test_triton_interpreter.py")
 

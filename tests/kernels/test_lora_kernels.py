@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import make_lora_case
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedserve.testing.kernels import make_lora_case
 
 try:  # Triton ships with torch on Linux x86-64 only; the CPU backend's cases run everywhere
     from pagedserve.kernels._triton_utils import interpreter_active

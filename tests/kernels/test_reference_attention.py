@@ -9,8 +9,9 @@ soft-capping are checked here against ``transformers.masking_utils`` (``causal_m
 import pytest
 import torch
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import contexts, hide_blocks_outside_window, make_paged_case
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+from pagedserve.testing.kernels import contexts, hide_blocks_outside_window, make_paged_case
 
 VARIANTS = [
     pytest.param(None, None, id="full"),

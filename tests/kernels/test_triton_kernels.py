@@ -13,7 +13,8 @@ import pagedserve.kernels as triton_kernels
 import pytest
 import torch
 from pagedserve.kernels import reference
-from pagedserve.kernels.testing import contexts, hide_blocks_outside_window, make_paged_case
+
+from pagedserve.testing.kernels import contexts, hide_blocks_outside_window, make_paged_case
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]

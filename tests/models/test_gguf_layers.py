@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from pagedserve.kernels import cpu, reference
-from pagedserve.kernels.testing import GGUF_TYPES, random_gguf_blocks
 from pagedserve.server.layers.linear import Linear
 from pagedserve.server.layers.quantization.gguf import FLOAT, GGUFLinearMethod, split_blocks
 from pagedserve.server.loader.gguf import hf_name, unpermute_rows
 from pagedserve.server.models.decoder import GatedMLP
 from pagedserve.server.models.spec import DecoderSpec
+
+from pagedserve.testing.kernels import GGUF_TYPES, random_gguf_blocks
 
 
 def raw_rows(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:

@@ -9,11 +9,11 @@ from typing import Any
 
 import jsonschema
 import pytest
-from operator_examples import design_example
 from pagedserve.operator.spec import ModelDeploymentSpec, parse_spec
 from pydantic import ValidationError
 
 from pagedserve.testing.kube import CRDSchema, crd_jsonschema, load_crd, manifest_errors, walk
+from pagedserve.testing.operator_examples import design_example
 
 CRD = load_crd()
 (VERSION,) = CRD["spec"]["versions"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_examples import LORA_SPEC, design_example
 from pagedserve.operator import render
 from pagedserve.operator.resources import ENGINE_WRITABLE_ENV, HF_HOME, RUN_AS_USER, WRITABLE_ENV
 
 from pagedserve.testing.helm import find_tool
 from pagedserve.testing.helm import render as helm_render
+from pagedserve.testing.operator_examples import LORA_SPEC, design_example
 from pagedserve.testing.pod_security import pods_of, restricted_violations
 
 UID = "6c1f3b2e-1d7e-4a53-a1f9-9a8e1e0a1b2c"

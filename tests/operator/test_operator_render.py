@@ -7,12 +7,12 @@ import copy
 from typing import Any
 
 import pytest
-from operator_examples import LORA_SPEC, design_example
 from pagedserve.operator import render
 from pagedserve.operator.resources import HASH_ANNOTATION, spec_hash
 from pydantic import ValidationError
 
 from pagedserve.testing.kube import KUBERNETES_MINORS, errors, manifest_errors
+from pagedserve.testing.operator_examples import LORA_SPEC, design_example
 
 UID = "0f3c2c52-7d0e-4a53-a1f9-9a8e1e0a1b2c"
 

@@ -1,4 +1,5 @@
-"""Fixtures of the in-process API tests (api_fakes.py holds the fake engine and the client helper)."""
+"""Fixtures of the in-process API tests (pagedserve/testing/api_fakes.py holds the fake engine and
+the client helper)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_fakes import FakeEngine
 from pagedserve.server.sampling_params import SamplingParams
+
+from pagedserve.testing.api_fakes import FakeEngine
 
 
 @pytest.fixture

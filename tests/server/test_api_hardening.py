@@ -12,11 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.common.chat_template import TemplateLimits
 from pagedserve.server.api.auth import OPEN_PATHS
 from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS
 from starlette.routing import Route
+
+from pagedserve.testing.api_fakes import FakeEngine, app_client, assert_400
 
 MSGS = [{"role": "user", "content": "hi"}]
 # Two nested loops of 15,000: seconds of pure-Python work in Jinja (issue 14 measured 7.4 s).

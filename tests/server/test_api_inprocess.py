@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import SCRIPT, FakeEngine, app_client
 from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.api.metrics import build_1_2_5_buckets
 from pagedserve.server.api.protocol import (
@@ -25,6 +24,8 @@ from pagedserve.server.api.protocol import (
 )
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from pydantic import ValidationError
+
+from pagedserve.testing.api_fakes import SCRIPT, FakeEngine, app_client
 
 MODEL = "fake-model"
 

@@ -22,10 +22,10 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.server.api.protocol import GRAMMAR_BACKEND
 from pagedserve.server.sampling_params import SamplingParams, StructuredOutputsParams
 
+from pagedserve.testing.api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.testing.processes import ServerProcess, serve_process
 
 MSGS = [{"role": "user", "content": "Give me JSON."}]

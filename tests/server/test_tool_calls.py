@@ -14,18 +14,18 @@ import subprocess
 from collections.abc import AsyncIterator
 from typing import Any
 
-import api_fakes
 import httpx
 import jsonschema
 import openai
 import pytest
-from api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 from pagedserve.server.api.tool_parsers.base import ToolParser
 from pagedserve.server.api.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from pagedserve.server.api.tool_parsers.stream import ToolCallStream, whole_reply
 from pagedserve.server.sampling_params import SamplingParams
 
+from pagedserve.testing import api_fakes
+from pagedserve.testing.api_fakes import FakeEngine, app_client, assert_400
 from pagedserve.testing.processes import pagedserve_argv
 
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+
 from pagedserve.server.api.app import ServerSettings, build_app
 from pagedserve.server.engine.async_engine import AsyncEngine
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats

@@ -151,7 +151,7 @@ def fp8_paged_case(
 ) -> tuple[PagedCase, torch.Tensor, torch.Tensor]:
     """``case`` with its caches stored as FP8 (``reference.quantize_kv``) under the given scales, and the
     scales as the kernels take them (float32 tensors of one element on the case's device)."""
-    from . import reference
+    from pagedserve.kernels import reference
 
     device = case.k_cache.device
     scales = [torch.tensor([s], dtype=torch.float32, device=device) for s in (k_scale, v_scale)]
@@ -210,7 +210,7 @@ def random_gguf_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(qs, scales, mins) in kernels/reference.py's GGUF layout for an ``[n, k]`` matrix: random bytes,
     scales and mins of a trained model's size."""
-    from .reference import GGUF_BLOCK, GGUF_Q4_1, GGUF_QBYTES
+    from pagedserve.kernels.reference import GGUF_BLOCK, GGUF_Q4_1, GGUF_QBYTES
 
     nb = k // GGUF_BLOCK
     qs = torch.randint(0, 256, (n, nb * GGUF_QBYTES[qtype]), generator=gen, dtype=torch.uint8)
