@@ -373,3 +373,16 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def wait_router_polled(app: Any, urls: list[str], timeout: float = 30.0) -> None:
+    """Until the in-process router ``app`` (router/proxy.py ``RouterApp``) has read the /v1/models of
+    every replica in ``urls`` once. Before its first poll it knows no replica's load or adapters, so
+    what a test of its routing sees would depend on how busy the machine is."""
+    from pagedserve.testing.net import wait_until
+
+    def polled() -> bool:
+        states = [app.balancer.backends.get(url) for url in urls]
+        return all(state is not None and state.models is not None for state in states)
+
+    wait_until(polled, timeout, "the router's first poll of every replica")

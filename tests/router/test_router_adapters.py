@@ -22,7 +22,7 @@ from pagedserve.router.hashing import PromptHasher
 from pagedserve.router.kv_index import KVIndex
 from pagedserve.router.proxy import RouterApp, RouterConfig
 
-from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.fake_openai import FakeOpenAI, wait_router_polled
 from pagedserve.testing.net import wait_until
 from pagedserve.testing.server_thread import ServerThread
 
@@ -73,6 +73,7 @@ class LoraFleet:
         self.app = RouterApp(config)
         self.router = ServerThread(self.app).start()
         self.client = httpx.Client(base_url=self.router.url, timeout=30)
+        wait_router_polled(self.app, [b.url for b in self.backends])
 
     def close(self) -> None:
         self.client.close()

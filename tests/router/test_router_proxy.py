@@ -11,7 +11,7 @@ import httpx
 import pytest
 from pagedserve.router.proxy import RouterApp, RouterConfig
 
-from pagedserve.testing.fake_openai import FakeOpenAI
+from pagedserve.testing.fake_openai import FakeOpenAI, wait_router_polled
 from pagedserve.testing.net import free_port
 from pagedserve.testing.processes import ServerProcess, fake_openai_process
 from pagedserve.testing.server_thread import ServerThread
@@ -44,6 +44,7 @@ class Fleet:
         self.app = RouterApp(config)
         self.router = ServerThread(self.app).start()
         self.client = httpx.Client(base_url=self.router.url, timeout=30)
+        wait_router_polled(self.app, [b.url for b in self.backends])
 
     def by_name(self, name: str) -> ServerThread:
         return next(b for b in self.backends if b.app.name == name)
