@@ -12,9 +12,8 @@ text; ITL the gaps between later streamed chunks; TPOT a request's (latency - TT
 E2EL the time from sending a request to the end of its stream. Duration runs from the first request's
 arrival to the last response's end.
 
-The client must cost the server's machine little: at 256 streams of a near-free model on two cores,
-httpx spent 36 µs of CPU per streamed token and aiohttp 8-12, which left the server the difference
-(benchmarks/README.md, "The engine's own host time").
+The client must cost the server's machine little: at 256 streams on two cores httpx took several times
+aiohttp's CPU per streamed token (benchmarks/README.md, "The engine's own host time").
 
 Only aiohttp and tqdm are needed (no torch, no numpy); ``--tokenizer`` (exact prompt lengths) needs
 transformers.
@@ -199,10 +198,11 @@ class RequestResult:
 
 
 def _api_url(base_url: str, endpoint: str) -> str:
+    """``endpoint`` (completions, chat or models) under the server's /v1, with or without it in the base."""
     base = base_url.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
-    return base + ("/completions" if endpoint == "completions" else "/chat/completions")
+    return base + {"completions": "/completions", "chat": "/chat/completions", "models": "/models"}[endpoint]
 
 
 def build_payload(
@@ -464,8 +464,7 @@ async def run_once(
 
 
 async def _resolve_model(client: Any, base_url: str, headers: dict) -> str:
-    url = base_url.rstrip("/")
-    url = (url if url.endswith("/v1") else url + "/v1") + "/models"
+    url = _api_url(base_url, "models")
     async with client.get(url, headers=headers) as resp:
         resp.raise_for_status()
         data = (await resp.json()).get("data") or []
@@ -479,8 +478,7 @@ async def _wait_ready(client: Any, base_url: str, headers: dict, timeout: float)
     import aiohttp
 
     deadline = time.monotonic() + max(timeout, 0.0)
-    url = base_url.rstrip("/")
-    url = (url if url.endswith("/v1") else url + "/v1") + "/models"
+    url = _api_url(base_url, "models")
     announced = False
     while True:
         try:
