@@ -19,10 +19,12 @@ Children, all named after the ModelDeployment ``<name>``:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
+from pagedserve.common.engine_args import EngineArgs, to_cli
 from pagedserve.common.resource import API_VERSION, GROUP, KIND, PLURAL
 from pagedserve.operator.idle import activity_interval
 from pagedserve.operator.spec import (
@@ -357,50 +359,31 @@ class _Context:
     # -- engine --------------------------------------------------------------------------------
 
     def engine_args(self) -> list[str]:
-        spec, engine = self.spec, self.spec.engine
-        args: list[str] = []
-        model = self.model_path()
-        if model is not None:
-            args.append(model)
-        args += [
-            "--host", "0.0.0.0",
-            "--port", str(ENGINE_PORT),
-            "--served-model-name", self.served_model_name,
-            "--device", "cuda" if spec.resources.gpus else "cpu",
-            "--dtype", engine.dtype,
-            "--block-size", str(engine.block_size),
-            "--max-num-seqs", str(engine.max_num_seqs),
-        ]  # fmt: skip
-        if engine.max_model_len is not None:
-            args += ["--max-model-len", str(engine.max_model_len)]
-        if engine.max_num_batched_tokens is not None:
-            args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
-        if spec.resources.gpus:
-            args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
-        if spec.tensor_parallel_size > 1:
-            args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
-        if not engine.enable_prefix_caching:
-            args.append("--no-enable-prefix-caching")
-        elif spec.router.strategy == "kv-events":  # the router subscribes to them (router/kv_events.py)
-            args.append("--enable-kv-events")
-        return args + self.lora_args() + list(engine.extra_args)
+        """`pagedserve serve`'s arguments: the engine settings rendered by their one declaration
+        (common/engine_args.py ``to_cli``, defaults left out), after the same checks the engine makes."""
+        settings = EngineArgs(**self.engine_settings())
+        address = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
+        return address + to_cli(dataclasses.asdict(settings)) + list(self.spec.engine.extra_args)
 
-    def lora_args(self) -> list[str]:
-        if not self.lora:
-            return []
-        engine = self.spec.engine
-        args = [
-            "--enable-lora",
-            "--max-loras",
-            str(engine.max_loras),
-            "--max-lora-rank",
-            str(engine.max_lora_rank),
-        ]
-        if engine.max_cpu_loras is not None:
-            args += ["--max-cpu-loras", str(engine.max_cpu_loras)]
-        if self.startup_adapters:
-            args += ["--lora-modules", *(f"{a.name}={adapter_path(a)}" for a in self.startup_adapters)]
-        return args
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine settings of this ModelDeployment: spec.engine's, and those the operator decides from
+        the rest of the spec."""
+        spec, engine = self.spec, self.spec.engine
+        values: dict[str, Any] = {
+            **engine.engine_settings(),
+            "model": self.model_path(),
+            "served_model_name": self.served_model_name,
+            "device": "cuda" if spec.resources.gpus else "cpu",
+            "tensor_parallel_size": spec.tensor_parallel_size,
+            # the router subscribes to them (router/kv_events.py)
+            "enable_kv_events": engine.enable_prefix_caching and spec.router.strategy == "kv-events",
+        }
+        if not spec.resources.gpus:  # no GPU memory to share out
+            values.pop("gpu_memory_utilization")
+        if self.lora:
+            values["enable_lora"] = True
+            values["lora_modules"] = [f"{a.name}={adapter_path(a)}" for a in self.startup_adapters] or None
+        return values
 
     def adapter_volumes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(volumes, mounts) for the claims of pvc:// adapters, spec and startup ones: a claim is mounted

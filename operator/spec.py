@@ -16,9 +16,10 @@ mounted read-only) or a path inside the image. The special value ``embedded`` st
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pagedserve.common.engine_args import EngineArgs, flag, settings, value_type
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 EMBEDDED_MODEL = "embedded"
@@ -132,7 +133,26 @@ class Resources(CamelModel):
         return self.shm_size or f"{tensor_parallel_size}Gi"
 
 
-class Engine(CamelModel):
+def engine_setting_fields(cls: type = EngineArgs) -> dict[str, Any]:
+    """spec.engine's fields for the engine settings marked ``operator=True`` in common/engine_args.py:
+    type, default, choices, bounds and help from that one declaration (the description leads with the
+    `pagedserve serve` flag the operator renders the field into)."""
+    fields: dict[str, Any] = {}
+    for declared, how in settings(cls):
+        if not how.operator:
+            continue
+        kind = Literal[how.choices] if how.choices else value_type(cls, declared.name)
+        annotation = kind | None if declared.default is None else kind
+        description = f"{flag(declared.name)}: {how.help}."
+        bounds = {k: v for k, v in {"ge": how.ge, "gt": how.gt, "le": how.le}.items() if v is not None}
+        fields[declared.name] = (annotation, Field(declared.default, description=description, **bounds))
+    return fields
+
+
+class EngineBase(CamelModel):
+    """spec.engine's own fields; the engine settings join it in ``Engine``."""
+
+    settings_class: ClassVar[type] = EngineArgs  # the settings' declaration (engine_model())
     model_config = ConfigDict(
         json_schema_extra=cel(
             "!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
@@ -140,13 +160,6 @@ class Engine(CamelModel):
         )
     )
 
-    max_model_len: int | None = Field(None, ge=1)
-    block_size: Literal[8, 16, 32] = 16
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    enable_prefix_caching: bool = True
     startup_timeout_seconds: int = Field(
         1800, ge=10, description="How long the startup probe waits for the model to load."
     )
@@ -155,27 +168,37 @@ class Engine(CamelModel):
         description="Appended to `pagedserve serve` (vLLM-compatible flags).",
         json_schema_extra=SERVER_DEFAULT_LIST,
     )
-    # LoRA (used when spec.adapters is set): vLLM's flags and defaults.
-    max_loras: int = Field(
-        1,
-        ge=1,
-        description=(
-            "--max-loras: adapters in one batch (resident on the accelerator); more are served in turn"
-            " (vLLM's default 1: raise it to the number of adapters used at once)."
-        ),
-    )
-    max_lora_rank: int = Field(
-        16, ge=1, le=512, description="--max-lora-rank: the largest adapter rank the engine accepts."
-    )
-    max_cpu_loras: int | None = Field(
-        None, ge=1, description="--max-cpu-loras: adapters kept in CPU memory (default maxLoras)."
-    )
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine settings this spec.engine sets, by their names in common/engine_args.py."""
+        own = EngineBase.model_fields
+        return {name: getattr(self, name) for name in type(self).model_fields if name not in own}
 
     @model_validator(mode="after")
-    def _batched_tokens(self) -> Engine:
+    def _batched_tokens(self) -> EngineBase:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("engine.maxNumBatchedTokens must be >= engine.maxNumSeqs")
         return self
+
+    @model_validator(mode="after")
+    def _as_the_engine_checks_them(self) -> EngineBase:
+        """What `pagedserve serve` would refuse at start (its torch-free checks) is refused here."""
+        self.settings_class(**self.engine_settings())
+        return self
+
+
+def engine_model(cls: type = EngineArgs) -> type[EngineBase]:
+    """spec.engine's model: its own fields and, from their one declaration, the settings of ``cls``."""
+    return create_model(
+        "Engine",
+        __base__=EngineBase,
+        __module__=__name__,
+        settings_class=(ClassVar[type], cls),
+        **engine_setting_fields(cls),
+    )
+
+
+Engine = engine_model()
 
 
 class Adapter(CamelModel):

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 
+from pagedserve.common.engine_args import BLOCK_SIZES, EngineArgs
 from pagedserve.router.balancer import STRATEGIES
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES
 
@@ -84,7 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="render chat templates sent with requests for their prefix hash (bounded, sandboxed); "
         "without it their raw messages are hashed and the engines decide (vLLM's flag of that name)",
     )
-    g.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineArgs.block_size,
+        choices=BLOCK_SIZES,
+        help="the engines' KV block size in tokens (their --block-size)",
+    )
     g.add_argument(
         "--tokenizer-cache-mib",
         type=int,

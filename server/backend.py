@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from pagedserve.common.engine_args import ATTENTION_BACKENDS
 
 BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
-BACKEND_NAMES = ("triton", "cpu", "torch")
+BACKEND_NAMES = ATTENTION_BACKENDS  # declared with the attention_backend setting
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from pagedserve.common.chat_template import ChatTemplateRenderer, TemplateLimits
+from pagedserve.common.engine_args import as_dict as engine_args_in_force
 from pagedserve.common.errors import error_response, install_error_handlers
 from pagedserve.server.api.access_log import AccessLogMiddleware
 from pagedserve.server.api.auth import APIKeyMiddleware
@@ -165,6 +166,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             max_loras=engine.config.max_loras if getattr(engine.config, "enable_lora", False) else None,
             tensor_parallel_size=getattr(engine.config, "tensor_parallel_size", 1),
             async_scheduling=bool(getattr(engine.config, "async_scheduling", False)),
+            engine_args=engine_args_in_force(engine.config),
         )
 
     @app.get(

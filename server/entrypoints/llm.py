@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.common.engine_args import keyword_parameters
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.llm_engine import LLMEngine
 from pagedserve.server.engine.processor import PromptInput
@@ -20,7 +22,8 @@ Message = dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, core_process: bool = False, **engine_args: Any) -> None:
-        """``engine_args``: EngineConfig's fields. ``core_process``: run the engine core in a process of
+        """``engine_args``: the engine settings (common/engine_args.py, which this signature lists).
+        ``core_process``: run the engine core in a process of
         its own, as the server does (server/engine/core_client.py); ``shutdown`` (or the interpreter's
         exit) stops it. The process is spawned, so a script using it needs the
         ``if __name__ == "__main__":`` guard, as with vLLM."""
@@ -133,6 +136,15 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
         return [finished[r] for r in request_ids]
+
+
+# help(LLM) and IDEs list every engine setting, from its one declaration.
+LLM.__init__.__signature__ = inspect.signature(LLM.__init__).replace(  # type: ignore[attr-defined]
+    parameters=[
+        *list(inspect.signature(LLM.__init__).parameters.values())[:3],
+        *keyword_parameters(skip=("model",)),
+    ]
+)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

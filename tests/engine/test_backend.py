@@ -8,6 +8,7 @@ import logging
 import httpx
 import pytest
 import torch
+from pagedserve.common.engine_args import settings
 from pagedserve.kernels import cpu, reference
 from pagedserve.server.backend import BACKEND_ENV, select_backend
 from pagedserve.server.config import EngineConfig
@@ -78,6 +79,10 @@ async def test_version_names_the_backend(engine) -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         body = (await client.get("/version")).json()
     assert body["backend"] == "torch" and body["version"]
+    # every engine setting in force, by its declared name (common/engine_args.py)
+    assert list(body["engine_args"]) == [declared.name for declared, _ in settings()]
+    assert body["engine_args"]["attention_backend"] == "torch"
+    assert body["engine_args"]["kv_cache_memory_bytes"] == 1 << 24
 
 
 def test_start_up_log_names_the_backend(caplog: pytest.LogCaptureFixture) -> None:

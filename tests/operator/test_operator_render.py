@@ -241,11 +241,11 @@ def test_engine_on_gpus() -> None:
     assert deployment["spec"]["replicas"] == 2
     assert engine["image"] == "registry.example/pagedserve:0.1.0"
     assert engine["command"] == ["pagedserve", "serve"]
+    # The engine settings in their declaration's order (common/engine_args.py), defaults left out.
     assert engine["args"] == [
-        "meta-llama/Llama-3.1-8B-Instruct",
-        "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "llama-8b",
-        "--device", "cuda", "--dtype", "bfloat16", "--block-size", "16", "--max-num-seqs", "256",
-        "--max-model-len", "8192", "--gpu-memory-utilization", "0.9",
+        "--host", "0.0.0.0", "--port", "8000",
+        "meta-llama/Llama-3.1-8B-Instruct", "--served-model-name", "llama-8b", "--dtype", "bfloat16",
+        "--device", "cuda", "--max-model-len", "8192",
     ]  # fmt: skip
     assert engine["resources"] == {
         "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
@@ -422,7 +422,7 @@ def test_pvc_model_is_mounted_read_only() -> None:
         mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
         assert mount["readOnly"] is True
     engine = container(children, "llama-8b-engine")
-    assert engine["args"][0] == "/model-pvc/llama/8b"
+    assert engine["args"][4] == "/model-pvc/llama/8b"  # the positional MODEL, after --host and --port
     router = container(children, "llama-8b-router")
     assert router["args"][router["args"].index("--tokenizer") + 1] == "/model-pvc/llama/8b"
     pvc = by_kind(children)[("PersistentVolumeClaim", "llama-8b-cache")]

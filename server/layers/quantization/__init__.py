@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from pagedserve.server.config import QUANTIZATION_METHODS
+from pagedserve.common.engine_args import QUANTIZATION_METHODS
 from pagedserve.server.layers.quantization.base import LinearMethod
 from pagedserve.server.layers.quantization.fp8 import Fp8LinearMethod
 from pagedserve.server.layers.quantization.gguf import GGUFLinearMethod
