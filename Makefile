@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: `make setup` without CUDA and the images `make images` builds here.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup tools serve test test-heavy e2e lint format clean manifests images image-tools image-test
+.PHONY: setup tools serve test test-heavy e2e lint format clean manifests docs images image-tools image-test
 
 setup: $(VENV)/.installed kernels/prebuilt/manifest.json
 
@@ -36,6 +36,12 @@ tools: setup
 # operator/rbac.py); tests/operator/test_operator_manifests.py fails when they are out of date.
 manifests: setup
 	$(PY) -m pagedserve.operator.manifests
+
+# The docs site (mkdocs.yml): the reference pages regenerated from the code (scripts/docs_reference.py),
+# then built with --strict, so a broken link or anchor fails; tests/test_docs.py checks both in `make test`.
+docs: setup
+	$(PY) scripts/docs_reference.py
+	$(BIN)/mkdocs build --strict --quiet
 
 serve: setup
 	$(BIN)/pagedserve serve

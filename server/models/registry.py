@@ -1,7 +1,7 @@
 """Model classes by the ``architectures`` entry of a Hugging Face config.
 
 ``supported_architectures()`` is the one list the server shows (``/version``, ``pagedserve serve --help``)
-and the README's table follows.
+and docs/models.md's table follows (tests/models/test_registry.py).
 """
 
 from __future__ import annotations

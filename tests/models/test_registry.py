@@ -16,7 +16,7 @@ from pagedserve.server.models.registry import supported_architectures
 
 from pagedserve import LLM
 
-README = Path(__file__).parents[2] / "README.md"
+MODELS_PAGE = Path(__file__).parents[2] / "docs" / "models.md"
 UNSUPPORTED = re.compile(
     r"unsupported model architecture \['GPT2LMHeadModel'\]; supported: "
     + re.escape(", ".join(supported_architectures()))
@@ -91,9 +91,9 @@ def test_serve_help_names_every_architecture():
     assert all(name in text for name in supported_architectures()), text[-600:]
 
 
-def test_readme_table_lists_every_architecture():
+def test_the_models_page_lists_every_architecture():
     # Rows of the Models table open with the architecture's name; other tables' rows start otherwise.
-    rows = (re.match(r"\| `(\w+ForCausalLM)` \|", line) for line in README.read_text().splitlines())
+    rows = (re.match(r"\| `(\w+ForCausalLM)` \|", line) for line in MODELS_PAGE.read_text().splitlines())
     listed = {row.group(1) for row in rows if row}
     assert listed >= set(supported_architectures())
 
