@@ -1,7 +1,9 @@
 """GPU tests: every module is marked ``gpu`` and skipped without CUDA (``pytestmark = GPU``)."""
 
 import pytest
-from gpu_helpers import MODELS, random_model
+from pagedserve.benchmarks.gpu import random_model
+
+from pagedserve.testing.gpu import MODELS
 
 
 @pytest.fixture(scope="session", params=sorted(MODELS))

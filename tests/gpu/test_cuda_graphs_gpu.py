@@ -3,7 +3,7 @@ batches that fill a bucket and batches padded into one; the profiling forward an
 
 import pytest
 import torch
-from gpu_helpers import GPU, MODELS, random_model
+from pagedserve.benchmarks.gpu import random_model
 from pagedserve.server.backend import select_backend
 from pagedserve.server.layers.attention import AttentionMetadata
 from pagedserve.server.loader import load_model
@@ -14,6 +14,8 @@ from pagedserve.server.worker.cuda_graphs import (
     profile_activation_peak,
 )
 from pagedserve.server.worker.model_runner import ModelRunner
+
+from pagedserve.testing.gpu import GPU, MODELS
 
 pytestmark = GPU
 CUDA = torch.device("cuda")

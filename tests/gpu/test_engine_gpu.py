@@ -1,10 +1,11 @@
 """The engine on a GPU: Triton backend vs the torch reference backend vs HF Transformers, greedy, on
-seeded random-weight Llama-family models; CUDA-graph decode vs eager. See gpu_helpers for how ties
-between nearly equal logits are allowed for."""
+seeded random-weight Llama-family models; CUDA-graph decode vs eager. See pagedserve/testing/gpu.py for
+how ties between nearly equal logits are allowed for."""
 
 import pytest
 import torch
-from gpu_helpers import GPU, assert_greedy, engine_greedy, free_gpu, hf_greedy, load_hf, prompts
+
+from pagedserve.testing.gpu import GPU, assert_greedy, engine_greedy, free_gpu, hf_greedy, load_hf, prompts
 
 pytestmark = GPU
 

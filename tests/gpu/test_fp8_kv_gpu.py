@@ -10,9 +10,10 @@ no error of its own to the cache's rounding (whose bound tests/kernels/test_fp8_
 import pagedserve.kernels as triton_kernels
 import pytest
 import torch
-from gpu_helpers import GPU, MODELS, engine_greedy, prompts, random_model
+from pagedserve.benchmarks.gpu import random_model
 from pagedserve.kernels import reference
 
+from pagedserve.testing.gpu import GPU, MODELS, engine_greedy, prompts
 from pagedserve.testing.kernels import fp8_paged_case, hide_blocks_outside_window, make_paged_case
 
 pytestmark = GPU

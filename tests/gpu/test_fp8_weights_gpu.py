@@ -6,8 +6,9 @@ import importlib
 
 import pytest
 import torch
-from gpu_helpers import GPU, PROJECTION_SHAPES, engine_greedy, prompts
 from pagedserve.kernels import reference
+
+from pagedserve.testing.gpu import GPU, PROJECTION_SHAPES, engine_greedy, prompts
 
 pytestmark = GPU
 
@@ -40,11 +41,11 @@ def test_fp8_matmul_matches_reference(n, k, rows, dtype):
 
 def test_engine_fp8_tokens_stay_related_to_bf16(random_model_path, monkeypatch):
     """The engine serving FP8 weights on the GPU path. FP8 rounds weights and activations to 3 mantissa
-    bits, which on these random models' flat logits (gpu_helpers.py) moves most near-ties: first tokens
-    equal to bf16's measured 0.25 (smollm2 shape) and 0.31 (Llama-3-8B shape, 4 layers) of 16 prompts on an
-    H200, and 0.25 of these 48 on the CPU's torch reference against fp32 (int8 weights there: 0.62), so
-    that is the scheme, not the GPU kernel (test_fp8_matmul_matches_reference holds it to the reference).
-    A wrong scale or layout gives unrelated tokens: agreement about 1 in the vocabulary."""
+    bits, which on these random models' flat logits (pagedserve/testing/gpu.py) moves most near-ties:
+    first tokens equal to bf16's measured 0.25 (smollm2 shape) and 0.31 (Llama-3-8B shape, 4 layers) of 16
+    prompts on an H200, and 0.25 of these 48 on the CPU's torch reference against fp32 (int8 weights
+    there: 0.62), so that is the scheme, not the GPU kernel (test_fp8_matmul_matches_reference holds it to
+    the reference). A wrong scale or layout gives unrelated tokens: agreement about 1 in the vocabulary."""
     from transformers import AutoConfig
 
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")

@@ -9,9 +9,9 @@ tf32 products (bf16/fp16 inputs) summed over K.
 
 import pytest
 import torch
-from gpu_helpers import GPU, PROJECTION_SHAPES
 from pagedserve.kernels import reference
 
+from pagedserve.testing.gpu import GPU, PROJECTION_SHAPES
 from pagedserve.testing.kernels import GGUF_TYPES, random_gguf_blocks
 
 pytestmark = GPU

@@ -11,10 +11,10 @@ import importlib
 import pagedserve.kernels as triton_kernels
 import pytest
 import torch
-from gpu_helpers import GPU
 from pagedserve.kernels import reference
 from transformers import LlamaConfig
 
+from pagedserve.testing.gpu import GPU
 from pagedserve.testing.kernels import hide_blocks_outside_window, make_paged_case
 
 pytestmark = GPU

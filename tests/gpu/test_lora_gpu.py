@@ -5,9 +5,9 @@ must follow without a host read."""
 
 import pytest
 import torch
-from gpu_helpers import GPU
 from pagedserve.kernels import lora, reference
 
+from pagedserve.testing.gpu import GPU
 from pagedserve.testing.kernels import make_lora_case
 
 pytestmark = GPU

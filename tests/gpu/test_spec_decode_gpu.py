@@ -3,18 +3,20 @@ draft-model speculation against the same engine without it, on seeded random-wei
 
 The verification step runs several query tokens per sequence through the prefill attention path, where
 plain decoding runs one through the decode path; in fp32 the two agree but for true ties, in bf16 they
-may part at near-ties (gpu_helpers explains the tolerance). So every run is judged token by token against
-the fp32 Hugging Face oracle, and the share of sequences identical to the plain engine's is printed.
+may part at near-ties (pagedserve/testing/gpu.py explains the tolerance). So every run is judged token
+by token against the fp32 Hugging Face oracle, and the share of sequences identical to the plain engine's
+is printed.
 Every run must see drafts proposed and accepted, or the verifying and accepting paths would go untested:
 the n-gram proposer gets a model with small weights, whose greedy output repeats its own tokens (the
-gpu_helpers models do not copy their context), and the draft model is the target itself.
+pagedserve/testing/gpu.py's models do not copy their context), and the draft model is the target itself.
 """
 
 import pytest
 import torch
-from gpu_helpers import GPU, assert_greedy, free_gpu, load_hf, prompts, random_model
+from pagedserve.benchmarks.gpu import random_model
 
 from pagedserve.testing.draft_models import truncated_draft
+from pagedserve.testing.gpu import GPU, assert_greedy, free_gpu, load_hf, prompts
 
 pytestmark = GPU
 
@@ -26,7 +28,8 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 
 
 def repetitive_prompts(vocab_size: int) -> list[list[int]]:
-    """gpu_helpers.prompts plus prompts that repeat a phrase, and each prompt's tail repeated at its end."""
+    """pagedserve/testing/gpu.py prompts() plus prompts that repeat a phrase, and each prompt's tail
+    repeated at its end."""
     base = prompts(vocab_size, seed=5)
     phrases = [p[:12] for p in base if len(p) >= 12]
     return [p + p[-8:] for p in base] + [ph * 5 for ph in phrases[:3]]

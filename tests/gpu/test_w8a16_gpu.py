@@ -4,9 +4,10 @@ engine serving an int8 model on the GPU, agreeing with the same engine in the mo
 
 import pytest
 import torch
-from gpu_helpers import GPU, PROJECTION_SHAPES, engine_greedy, prompts
 from pagedserve.kernels import reference
 from pagedserve.server.layers.quantization.int8 import quantize_per_channel
+
+from pagedserve.testing.gpu import GPU, PROJECTION_SHAPES, engine_greedy, prompts
 
 pytestmark = GPU
 

@@ -14,7 +14,6 @@ import gc
 
 import pytest
 import torch
-from pagedserve.benchmarks.gpu import random_model  # noqa: F401 (re-exported for conftest.py)
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
