@@ -7,7 +7,8 @@
 - docs/reference/crd.md: the ModelDeployment's fields, from the CRD that operator/crd.py generates from
   operator/spec.py;
 - docs/reference/metrics.md: the metric families a live app serves;
-- docs/reference/request-fields.md: the request fields refused as not implemented (server/api/protocol.py).
+- docs/reference/request-fields.md: the chat and completion requests' fields, and those refused as not
+  implemented (server/api/protocol.py).
 
 ``--check`` writes nothing and exits 1 naming the pages that differ (tests/test_docs.py runs it).
 """
@@ -181,18 +182,57 @@ def metrics_page() -> str:
     ])  # fmt: skip
 
 
-def request_fields_page() -> str:
-    from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS
+def type_name(node: dict[str, Any]) -> str:
+    """A JSON-schema node's type in a few words: `integer`, `string or null`, `array of object`."""
+    if "$ref" in node:
+        return node["$ref"].rsplit("/", 1)[-1]
+    if "anyOf" in node:
+        return " or ".join(dict.fromkeys(type_name(choice) for choice in node["anyOf"]))
+    if "const" in node:
+        return json.dumps(node["const"])
+    if "enum" in node:
+        return " | ".join(json.dumps(value) for value in node["enum"])
+    if node.get("type") == "array":
+        return f"array of {type_name(node.get('items', {}))}"
+    return str(node.get("type", "any"))
 
-    rows = [f"| `{name}` | {cell(why)} |" for name, why in UNSUPPORTED_FIELDS.items()]
+
+def request_rows(model: Any) -> list[str]:
+    schema = model.model_json_schema()
+    rows = []
+    for name, node in schema["properties"].items():
+        default = code(json.dumps(node["default"])) if "default" in node else "required"
+        if name in schema.get("required", []):
+            default = "required"
+        note = cell(node.get("description", ""))
+        rows.append(f"| `{name}` | {cell(type_name(node))} | {default} | {note} |")
+    return rows
+
+
+def request_fields_page() -> str:
+    from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+
+    refused = [f"| `{name}` | {cell(why)} |" for name, why in UNSUPPORTED_FIELDS.items()]
+    table = ["| field | type | default | note |", "| --- | --- | --- | --- |"]
     return "\n".join([
         HEADER,
-        "# Request fields not implemented\n",
+        "# Request fields\n",
+        "The fields `/v1/chat/completions` and `/v1/completions` take, from the request models "
+        "(`server/api/protocol.py`): OpenAI's and vLLM's names. Any other field is a 400 naming it.\n",
+        "## `POST /v1/chat/completions`\n",
+        *table,
+        *request_rows(ChatCompletionRequest),
+        "",
+        "## `POST /v1/completions`\n",
+        *table,
+        *request_rows(CompletionRequest),
+        "",
+        "## Not implemented\n",
         "Fields of OpenAI's or vLLM's requests that this server does not implement. Each is a 400 that names "
-        "the field and says why, never a silently ignored field; any other unknown field is a 400 too.\n",
+        "the field and says why, never a silently ignored field.\n",
         "| field | why |",
         "| --- | --- |",
-        *rows,
+        *refused,
         "",
     ])  # fmt: skip
 
