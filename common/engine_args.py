@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import operator
 import re
 import types
@@ -251,9 +252,15 @@ def check_value(name: str, value: Any, how: Arg, kind: Any) -> None:
             raise ValueError(f"{name} must be {noun}{word} {bound:g}, got {value!r}")
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """``cls``'s field types, evaluated once (their annotations are text: ``from __future__``)."""
+    return typing.get_type_hints(cls)
+
+
 def value_type(cls: type, name: str) -> Any:
     """The field's type without ``None``: ``int | None`` -> int; ``list[str] | None`` -> list[str]."""
-    hint = typing.get_type_hints(cls)[name]
+    hint = type_hints(cls)[name]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [m for m in typing.get_args(hint) if m is not type(None)]
         return members[0] if len(members) == 1 else hint
@@ -265,7 +272,7 @@ def flag(name: str) -> str:
 
 
 def _takes_many(cls: type, name: str) -> bool:
-    hint = typing.get_type_hints(cls)[name]
+    hint = type_hints(cls)[name]
     members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     return any(typing.get_origin(m) is list for m in members)
 
@@ -371,7 +378,7 @@ def keyword_parameters(cls: type = EngineArgs, skip: tuple[str, ...] = ()) -> li
     a function that takes them as ``**engine_args`` (``LLM``)."""
     import inspect
 
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     return [
         inspect.Parameter(declared.name, inspect.Parameter.KEYWORD_ONLY, default=declared.default,
                           annotation=hints[declared.name])
