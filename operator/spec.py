@@ -19,6 +19,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pagedserve.common.engine_args import EngineArgs, flag, settings, value_type
+from pagedserve.common.routing import DEFAULT_STRATEGY, STRATEGIES
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -266,7 +267,7 @@ class RouterResources(CamelModel):
 class Router(CamelModel):
     replicas: Int32 = Field(2, ge=0)
     # kv-events: the engines publish their KV events (--enable-kv-events) and the router routes on them.
-    strategy: Literal["prefix-hash", "least-load", "round-robin", "kv-events"] = "prefix-hash"
+    strategy: Literal[STRATEGIES] = DEFAULT_STRATEGY  # `pagedserve router --strategy`
     mean_load_factor: float = Field(1.25, ge=1)
     image: str | None = Field(
         None,

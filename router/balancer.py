@@ -42,9 +42,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
+from pagedserve.common.routing import STRATEGIES
 from pagedserve.router.adapters import ServedModels, adapter_names
-
-STRATEGIES = ("prefix-hash", "least-load", "round-robin", "kv-events")
 
 # Decision reasons (the `reason` label of pagedserve_router_routing_decisions_total).
 PREFIX_HIT = "prefix_hit"

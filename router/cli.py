@@ -17,7 +17,7 @@ import logging
 import os
 
 from pagedserve.common.engine_args import BLOCK_SIZES, EngineArgs
-from pagedserve.router.balancer import STRATEGIES
+from pagedserve.common.routing import DEFAULT_STRATEGY, STRATEGIES
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES
 
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--strategy",
-        default="prefix-hash",
+        default=DEFAULT_STRATEGY,
         choices=STRATEGIES,
         help="prefix-hash: the router's guess of each replica's prefix cache; kv-events: what each engine "
         "reports holding (engines started with --enable-kv-events; needs --tokenizer; replicas without a "
