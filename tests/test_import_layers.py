@@ -153,10 +153,11 @@ def test_no_folder_imports_a_higher_one():
     assert upward_imports(all_imports()) == []
 
 
-@pytest.mark.parametrize("folder", ["router", "operator"])
-def test_router_and_operator_stay_off_torch_and_the_engine(folder):
-    """They share only common/ with the engine server (and the router the operator's schema)."""
-    heavy = ("torch", "triton", "pagedserve.server", "pagedserve.kernels")
+@pytest.mark.parametrize(("folder", "peer"), [("router", "operator"), ("operator", "router")])
+def test_router_and_operator_stay_off_torch_and_the_engine(folder, peer):
+    """They share only common/ with the engine server and with each other: each ships in the slim image
+    and neither reaches into the other."""
+    heavy = ("torch", "triton", "pagedserve.server", "pagedserve.kernels", f"pagedserve.{peer}")
     found = sorted({f"{imp.source}: {imp.module}" for path in (ROOT / folder).rglob("*.py")
                     for imp in imports_of(path) if imp.module.startswith(heavy)})
     assert found == []
