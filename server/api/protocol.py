@@ -13,12 +13,15 @@ A request is taken as OpenAI takes it, and /openapi.json says exactly that (``Re
   200 that does not do what the client asked. The vLLM fields we lack get a 400 that says why
   (``UNSUPPORTED_FIELDS``). Messages are the exception: clients send back the assistant messages they
   were given, with whatever fields those had, so a message may carry fields the template does not read.
+- **Null is unset.** ``null`` for any optional field is taken as not given, as OpenAI takes it: the field's
+  default applies (``RequestModel._null_is_unset``), and /openapi.json lets every optional field be null.
 - **Valid Unicode.** A lone surrogate (JSON ``"\\ud83d"``) anywhere in the text is a 400 naming its
   field: no tokenizer or encoder downstream can take it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Annotated, Any, Literal
@@ -62,7 +65,23 @@ UNSUPPORTED_FIELDS = {
     "audio": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
+    "verbosity": "the model's verbosity cannot be set (OpenAI's GPT-5 models take it)",
+    "moderation": "no moderation model runs here",
 }
+
+
+@functools.cache
+def _nullable_names(model: type[BaseModel]) -> frozenset[str]:
+    """The names whose ``null`` a request of ``model`` takes as unset: its optional fields (and their
+    aliases), and the refused fields of OpenAI and vLLM."""
+    optional = {
+        name
+        for field_name, info in model.model_fields.items()
+        if not info.is_required()
+        for name in (field_name, info.alias)
+        if name
+    }
+    return frozenset(optional | set(UNSUPPORTED_FIELDS))
 
 
 def unknown_field_message(name: str) -> str:
@@ -106,10 +125,39 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
-class RequestModel(OpenAIBaseModel):
-    """A request body (see the module docstring): strict types, no unknown fields."""
+def _optional_fields_take_null(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """/openapi.json says what ``RequestModel._null_is_unset`` takes: null for every optional field."""
+    required = set(schema.get("required", []))
+    for name, node in schema.get("properties", {}).items():
+        if name in required or _takes_null(node):
+            continue
+        outer = {key: node.pop(key) for key in ("title", "description", "default") if key in node}
+        schema["properties"][name] = {**outer, "anyOf": [node, {"type": "null"}]}
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+def _takes_null(node: dict[str, Any]) -> bool:
+    return node.get("type") == "null" or any(_takes_null(choice) for choice in node.get("anyOf", []))
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body (see the module docstring): strict types, no unknown fields, null as unset."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra=_optional_fields_take_null
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI takes ``null`` for any optional field as "not given": the field's default applies. So
+        does a field OpenAI or vLLM defines that this server refuses (``UNSUPPORTED_FIELDS``): null asks
+        for nothing. A required field's null still fails naming it, and an unknown name stays unknown."""
+        if not isinstance(data, dict):
+            return data
+        unset = _nullable_names(cls)
+        if not any(value is None and key in unset for key, value in data.items()):
+            return data
+        return {key: value for key, value in data.items() if value is not None or key not in unset}
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -324,6 +372,13 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
     tool_calls: list[JSONObject] | None = None
 
 
+class PromptCacheOptions(RequestModel):
+    """OpenAI's ``prompt_cache_options``. Only its implicit mode: explicit breakpoints are not supported."""
+
+    mode: Literal["implicit"] = "implicit"
+    ttl: Literal["30m"] = "30m"
+
+
 # -------------------------------------------------------------------------------------------- tools
 class FunctionDefinition(RequestModel):
     name: Text = Field(..., min_length=1)
@@ -382,6 +437,12 @@ class ChatCompletionRequest(_SamplingFields, _StructuredOutputFields, ChatTempla
     metadata: dict[str, Text] | None = Field(None, description="accepted; only meaningful with store")
     service_tier: Literal["auto", "default"] | None = Field(None, description="accepted; one tier")
     prompt_cache_key: Text | None = Field(None, description="accepted; prefix caching is automatic")
+    # OpenAI's cache settings, as far as they describe this server's prefix cache: in memory, implicit
+    # (every full block of a prompt is cached), kept at least until evicted. What it cannot honour is a 400.
+    prompt_cache_retention: Literal["in_memory"] | None = Field(
+        None, description="accepted: the prefix cache is in the engine's memory; '24h' is not supported"
+    )
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: Text | None = None
 
 
@@ -503,6 +564,7 @@ def tool_calls_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
         variants.append({
             "properties": {"name": {"enum": [tool.function.name]}, "parameters": parameters},
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         })  # fmt: skip
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
     if request.parallel_tool_calls is False:
@@ -513,10 +575,39 @@ def tool_calls_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
 
 
 def _parameters(tool: ChatCompletionToolsParam) -> dict[str, Any]:
+    """The function's arguments schema, closed: a forced call has the arguments the function declares
+    and no others (vLLM's default grammar backend holds schemas so too); no ``parameters`` is ``{}``."""
     parameters = tool.function.parameters
     if parameters is None:
-        return {"type": "object", "properties": {}}
-    return json.loads(parameters) if isinstance(parameters, str) else parameters
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return closed_schema(json.loads(parameters) if isinstance(parameters, str) else parameters)
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMAS = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+_OPEN_KEYWORDS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object that says nothing of extra properties closed to them
+    (``additionalProperties: false``); one that does says so itself and is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = closed_schema(out[key])
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and not any(key in out for key in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    return out
 
 
 # ------------------------------------------------------------------------------------------ completions

@@ -201,9 +201,10 @@ async def test_named_function_sends_its_parameters(engine: FakeEngine, sent: lis
         for tools_sent in (TOOLS, tools):
             body = {"messages": MSGS, "tools": tools_sent, "tool_choice": choice, "max_tokens": 2}
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    # Closed to undeclared arguments (protocol.closed_schema); no parameters: the empty object only.
     assert [p.structured_outputs.json for p in sent] == [  # type: ignore[union-attr]
-        TIME_PARAMS,
-        {"type": "object", "properties": {}},
+        {**TIME_PARAMS, "additionalProperties": False},
+        {"type": "object", "properties": {}, "additionalProperties": False},
     ]
 
 

@@ -26,8 +26,8 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 240
 MAX_TOKENS = 300
 
-# Closed objects, as OpenAI's strict function calling writes them: in an open one (JSON Schema's default)
-# the grammar lets the 135M model add arguments of its own until max_tokens cuts the call.
+# Closed objects, as OpenAI's strict function calling writes them; open ones (JSON Schema's default) are
+# closed by the server (server/api/protocol.py closed_schema): OPEN_FUNCTIONS below.
 FUNCTIONS: dict[str, dict[str, Any]] = {
     "get_weather": {
         "type": "object",
@@ -171,3 +171,87 @@ async def test_auto_and_a_tool_result_round_trip(server: ServerProcess) -> None:
         check_calls(choice.message.tool_calls or [], set(FUNCTIONS))
     else:
         assert choice.message.content and not choice.message.tool_calls
+
+
+# Ten schemas as clients write them, open by JSON Schema's default (no additionalProperties anywhere),
+# strings bounded so that every call ends within MAX_TOKENS.
+OPEN_FUNCTIONS: dict[str, dict[str, Any]] = {
+    "book_flight": {"type": "object", "properties": {
+        "origin": {"type": "string", "maxLength": 12}, "destination": {"type": "string", "maxLength": 12},
+        "passengers": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["origin", "destination"]},
+    "set_alarm": {"type": "object", "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        "minute": {"type": "integer", "minimum": 0, "maximum": 59}}, "required": ["hour"]},
+    "send_email": {"type": "object", "properties": {
+        "to": {"type": "string", "maxLength": 24}, "subject": {"type": "string", "maxLength": 24},
+        "urgent": {"type": "boolean"}}, "required": ["to", "subject"]},
+    "convert": {"type": "object", "properties": {
+        "amount": {"type": "number", "minimum": 0, "maximum": 1000},
+        "currency": {"enum": ["EUR", "USD", "JPY"]}}, "required": ["amount", "currency"]},
+    "create_user": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city"]}}, "required": ["name", "address"]},
+    "tag_items": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+        "required": ["tags"]},
+    "rate": {"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5}}},
+    "order": {"type": "object", "properties": {
+        "items": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 8},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku"]}}}, "required": ["items"]},
+    "translate": {"type": "object", "properties": {
+        "text": {"type": "string", "maxLength": 20}, "target": {"enum": ["fr", "de", "es"]}},
+        "required": ["text", "target"]},
+    "ping": {"type": "object", "properties": {}},
+}  # fmt: skip
+
+
+def undeclared_keys(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Object keys in ``value`` that ``schema`` does not declare, at any depth."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        declared = schema.get("properties", {})
+        for key, item in value.items():
+            if key not in declared:
+                found.append(f"{path}/{key}")
+            else:
+                found += undeclared_keys(item, declared[key], f"{path}/{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found += undeclared_keys(item, schema["items"], f"{path}/{i}")
+    return found
+
+
+@pytest.mark.heavy
+async def test_forced_calls_of_open_schemas_hold_to_the_declared_arguments(server: ServerProcess) -> None:
+    """Issue 40: 200 forced calls over ten schemas that leave additionalProperties unsaid, sampled at
+    temperature 1: the grammar closes them (server/api/protocol.py closed_schema), so no call carries an
+    argument its function does not declare, and every call validates."""
+    oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=600)
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
+             for name, schema in OPEN_FUNCTIONS.items()]  # fmt: skip
+
+    async def call(i: int) -> tuple[str, Any]:
+        name = list(OPEN_FUNCTIONS)[i % len(OPEN_FUNCTIONS)]
+        reply = await oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Use {name} for request number {i}."}],
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": name}},
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=i,
+        )
+        return name, reply.choices[0]
+
+    replies = await asyncio.gather(*(call(i) for i in range(200)))
+    for name, choice in replies:
+        assert choice.finish_reason == "tool_calls", (name, choice)
+        (tool_call,) = choice.message.tool_calls or []
+        arguments = json.loads(tool_call.function.arguments)
+        assert undeclared_keys(arguments, OPEN_FUNCTIONS[name]) == [], (name, arguments)
+        jsonschema.validate(arguments, OPEN_FUNCTIONS[name], cls=jsonschema.Draft202012Validator)
