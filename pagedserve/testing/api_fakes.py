@@ -8,6 +8,7 @@ output kinds, aborts) is the engine's own front end (server/engine/).
 
 from __future__ import annotations
 
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -218,6 +219,13 @@ class FakeEngine(AsyncEngine):
     @property
     def finished(self) -> list[str]:
         return self.scripted.finished
+
+
+def scripted(monkeypatch: Any, reply: str) -> dict[str, Any]:
+    """The fake model replies ``reply`` (ASCII), one character a step, then stops: the request fields
+    that make it stop there. ``monkeypatch``: pytest's, which restores the script after the test."""
+    monkeypatch.setattr(sys.modules[__name__], "SCRIPT", reply + "\x00")
+    return {"max_tokens": len(reply) + 5, "stop": ["\x00"]}
 
 
 async def app_client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:

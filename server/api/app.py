@@ -75,6 +75,7 @@ class ServerSettings:
     chat_template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (server/api/tool_parsers/)
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/api/reasoning_parsers/)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's env switch, read at start)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
 
@@ -109,6 +110,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         *serving,
         tool_parser=settings.tool_call_parser,
         enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        reasoning_parser=settings.reasoning_parser,
     )
     completion = OpenAIServingCompletion(*serving)
     tokenization = OpenAIServingTokenization(*serving)

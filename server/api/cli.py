@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from pagedserve.common.chat_template import TemplateLimits
 from pagedserve.common.engine_args import add_cli_arguments, from_cli
+from pagedserve.server.api.reasoning_parsers import REASONING_PARSERS
 from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 from pagedserve.server.log import configure_logging
 
@@ -92,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "llama3_json: JSON objects separated by ';', optionally after <|python_tag|>)",
     )
     server.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split a reasoning model's replies into reasoning_content and content by its think tags "
+        "(qwen3: a reply that opens with <think>; deepseek_r1: everything up to </think>, the prompt "
+        "having opened it)",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -158,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template_limits=TemplateLimits(timeout_s=args.chat_template_timeout),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine, settings)
     stop = app.state.graceful_stop

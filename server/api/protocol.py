@@ -50,8 +50,7 @@ UNSUPPORTED_FIELDS = {
     "prompt_embeds": "prompts are text or token ids",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "media_io_kwargs": "multimodal inputs are not supported",
-    "reasoning_effort": "reasoning models are not supported",
-    "include_reasoning": "reasoning models are not supported",
+    "reasoning_effort": "the effort of a reasoning model cannot be set here",
     "logits_processors": "custom logits processors are not supported",
     "return_tokens_as_token_ids": "not implemented",
     "return_token_ids": "not implemented",
@@ -430,6 +429,8 @@ class ChatCompletionRequest(_SamplingFields, _StructuredOutputFields, ChatTempla
     # None: "auto" with tools, as at OpenAI; "auto" needs --enable-auto-tool-choice, as in vLLM.
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    # vLLM's: with --reasoning-parser, false leaves the reasoning out of the reply
+    include_reasoning: bool = True
     echo: Literal[False] = Field(False, description="vLLM's; only false: echo on chat is not implemented")
     # OpenAI's bookkeeping fields: they change no generated token, OpenAI clients and SDKs send them, and
     # vLLM accepts them; refusing them would break drop-in use. /openapi.json says what each does here.
@@ -682,6 +683,8 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: str
+    # vLLM's: the reply's reasoning, split off by --reasoning-parser (server/api/reasoning_parsers/)
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
@@ -706,6 +709,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     # {index, id, type, function: {name, arguments}} first, then {index, function: {arguments}} fragments
     tool_calls: list[dict[str, Any]] | None = None

@@ -6,6 +6,8 @@ from typing import Any
 
 from pagedserve.common.errors import APIError
 from pagedserve.server.api.protocol import ChatCompletionRequest, tool_choice_of
+from pagedserve.server.api.reasoning_parsers import REASONING_PARSERS
+from pagedserve.server.api.reasoning_parsers.stream import ReasoningStream
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,
     OpenAIServing,
@@ -25,13 +27,18 @@ ROLE = "assistant"
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, *args: Any, tool_parser: str | None = None, enable_auto_tool_choice: bool = False
+        self,
+        *args: Any,
+        tool_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(*args)
         # vLLM's rule: "auto" reads calls out of free text, so it needs both flags (server/api/cli.py).
         self.auto_tool_parser = (
             TOOL_PARSERS[tool_parser]() if enable_auto_tool_choice and tool_parser else None
         )
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         lora = self.check_model(request.model)
@@ -109,13 +116,19 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 logprobs = self.chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
-            content, tool_calls = out.text, []
-            if tool_parser is not None:
-                content, tool_calls = whole_reply(tool_parser, out.text, _max_calls(request))
+            reasoning, content = None, out.text
+            if self.reasoning_parser is not None:
+                reasoning, content = self.reasoning_parser.split(out.text)
+            tool_calls: list[dict[str, Any]] = []
+            if tool_parser is not None and content is not None:
+                content, tool_calls = whole_reply(tool_parser, content, _max_calls(request))
+            message = {"role": ROLE, "content": content, "tool_calls": tool_calls}
+            if self.reasoning_parser is not None:
+                message["reasoning_content"] = reasoning if request.include_reasoning else None
             choices.append(
                 {
                     "index": out.index,
-                    "message": {"role": ROLE, "content": content, "tool_calls": tool_calls},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": _finish_reason(out.finish_reason, bool(tool_calls)),
                     "stop_reason": out.stop_reason,
@@ -132,19 +145,31 @@ class OpenAIServingChat(OpenAIServing):
         content and `delta.tool_calls`), with its tokens' logprobs."""
         top_logprobs = request.top_logprobs or 0
         calls: dict[int, ToolCallStream] = {}  # per choice
+        thoughts: dict[int, ReasoningStream] = {}  # per choice
 
         def shape(p_index: int, output: RequestOutput, delta: CompletionOutput) -> dict[str, Any] | None:
             logprobs = None
             if request.logprobs and delta.logprobs is not None:
                 logprobs = self.chat_logprobs(delta.token_ids, delta.logprobs, top_logprobs)
+            finished = delta.finish_reason is not None
             message: dict[str, Any] = {"content": delta.text}
+            text, held = delta.text, False
+            if self.reasoning_parser is not None:
+                thought = thoughts.setdefault(delta.index, ReasoningStream(self.reasoning_parser))
+                reasoning, text = thought.feed(delta.text, finished)
+                message = {"content": text} if text else {}
+                if reasoning and request.include_reasoning:
+                    message["reasoning_content"] = reasoning
+                held = not message
             called = False
             if tool_parser is not None:
                 stream = calls.setdefault(delta.index, ToolCallStream(tool_parser, _max_calls(request)))
-                message = stream.feed(delta.text, delta.finish_reason is not None)
+                reasoning_part = {k: v for k, v in message.items() if k == "reasoning_content"}
+                message = {**reasoning_part, **stream.feed(text, finished)}
                 called = stream.called
-                if not message and delta.finish_reason is None and logprobs is None:
-                    return None  # text held back until the parser knows what it is
+                held = not message
+            if held and not finished and logprobs is None:
+                return None  # text held back until a parser knows what it is
             return {
                 "index": delta.index,
                 "delta": message,

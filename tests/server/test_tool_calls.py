@@ -25,7 +25,7 @@ from pagedserve.server.api.tool_parsers.stream import ToolCallStream, whole_repl
 from pagedserve.server.sampling_params import SamplingParams
 
 from pagedserve.testing import api_fakes
-from pagedserve.testing.api_fakes import FakeEngine, app_client, assert_400
+from pagedserve.testing.api_fakes import FakeEngine, app_client, assert_400, scripted
 from pagedserve.testing.processes import pagedserve_argv
 
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -62,12 +62,6 @@ async def engine() -> AsyncIterator[FakeEngine]:
     engine = FakeEngine(max_model_len=1024)
     yield engine
     await engine.shutdown(grace_seconds=0)
-
-
-def scripted(monkeypatch: pytest.MonkeyPatch, reply: str) -> dict[str, Any]:
-    """The fake model replies ``reply`` (ASCII), then stops: the request fields that make it stop there."""
-    monkeypatch.setattr(api_fakes, "SCRIPT", reply + "\x00")
-    return {"max_tokens": len(reply) + 5, "stop": ["\x00"]}
 
 
 def openai_client(client: httpx.AsyncClient) -> openai.AsyncOpenAI:
