@@ -12,6 +12,17 @@ SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 MAX_LOGPROBS = 20  # top-k bound of logprobs and prompt_logprobs: vLLM's default --max-logprobs
 
 
+@dataclass(frozen=True)
+class ThinkGate:
+    """A reasoning model's think tags as token ids: a grammar waits for the reasoning to end and then
+    constrains the answer (vLLM applies structured outputs after the reasoning the same way). Set by the
+    API from --reasoning-parser (server/api/reasoning_parsers/), followed by server/grammar_state.py."""
+
+    start_token_id: int  # the tag that opens the reasoning, when the reply writes it first
+    end_token_id: int  # the tag that closes it: the grammar constrains every token after it
+    thinks_from_start: bool  # the prompt opened the reasoning: the reply is in it from its first token
+
+
 @dataclass
 class StructuredOutputsParams:
     """vLLM's ``StructuredOutputsParams``: constrain a request's output to one grammar. Exactly one of the
@@ -26,6 +37,7 @@ class StructuredOutputsParams:
     structural_tag: str | None = None  # vLLM's structural tag, as JSON text
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
     whitespace_pattern: str | None = None
+    think_gate: ThinkGate | None = None  # a reasoning model's: the grammar applies after its reasoning
 
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from pagedserve.common.errors import APIError
 from pagedserve.server.api.protocol import ChatCompletionRequest, tool_choice_of
 from pagedserve.server.api.reasoning_parsers import REASONING_PARSERS
+from pagedserve.server.api.reasoning_parsers.base import ReasoningParser
 from pagedserve.server.api.reasoning_parsers.stream import ReasoningStream
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,
@@ -19,10 +22,12 @@ from pagedserve.server.api.tool_parsers.forced import NamedToolParser, RequiredT
 from pagedserve.server.api.tool_parsers.stream import ToolCallStream, whole_reply
 from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.outputs import CompletionOutput, RequestOutput
+from pagedserve.server.sampling_params import ThinkGate
 from starlette.requests import Request
 from starlette.responses import Response
 
 ROLE = "assistant"
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -39,6 +44,7 @@ class OpenAIServingChat(OpenAIServing):
             TOOL_PARSERS[tool_parser]() if enable_auto_tool_choice and tool_parser else None
         )
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.think_gate = think_gate(self.engine.tokenizer, self.reasoning_parser)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         lora = self.check_model(request.model)
@@ -56,6 +62,10 @@ class OpenAIServingChat(OpenAIServing):
         )
         top_logprobs = request.top_logprobs or 0
         params = self.sampling_params(request, requested, top_logprobs if request.logprobs else None)
+        if params.structured_outputs is not None and self.think_gate is not None:
+            # vLLM's order: the model reasons freely, the constraint holds for its answer.
+            constraint = dataclasses.replace(params.structured_outputs, think_gate=self.think_gate)
+            params.structured_outputs = constraint
         if tool_parser is not None and tool_parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads the call markers
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
@@ -179,6 +189,19 @@ class OpenAIServingChat(OpenAIServing):
             }
 
         return shape
+
+
+def think_gate(tokenizer: Any, parser: ReasoningParser | None) -> ThinkGate | None:
+    """The parser's tags as the engine sees them, where each is one token (as in Qwen3's and DeepSeek-R1's
+    vocabularies); else None, and a grammar constrains the whole reply."""
+    if parser is None:
+        return None
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (parser.start, parser.end)]
+    if any(len(tag_ids) != 1 for tag_ids in ids):
+        logger.warning("the %s think tags are not single tokens of this tokenizer: structured outputs will "
+                       "constrain whole replies, reasoning included", parser.name)
+        return None
+    return ThinkGate(ids[0][0], ids[1][0], parser.thinks_from_start)
 
 
 def _max_calls(request: ChatCompletionRequest) -> int | None:

@@ -124,8 +124,9 @@ class CoreLoop:
     def _add(self, request: Any) -> None:
         try:
             if request.params.structured_outputs is not None:
-                request.grammar = self._grammar_processor().grammar_compiler.compile(
-                    request.params.structured_outputs).new_state()
+                constraint = request.params.structured_outputs
+                compiled = self._grammar_processor().grammar_compiler.compile(constraint)
+                request.grammar = compiled.new_state(constraint.think_gate)
             self.core.add_request(request)
         except Exception as exc:  # the front end checked it: fail the request, never the loop
             logger.exception("the engine core refused request %s", request.request_id)

@@ -171,6 +171,7 @@ class Processor:
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}.", param="n"
             )
         grammar = self._compile_grammar(params)
+        gate = params.structured_outputs.think_gate if params.structured_outputs is not None else None
         arrival = arrival_time if arrival_time is not None else time.time()
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         children = [
@@ -187,7 +188,7 @@ class Processor:
                 lora_request=lora_request,
                 # The request's prompt logprobs are computed once, by its first sample.
                 prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
-                grammar=grammar.new_state() if grammar is not None else None,
+                grammar=grammar.new_state(gate) if grammar is not None else None,
             )
             for index in range(params.n)
         ]

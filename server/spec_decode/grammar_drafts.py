@@ -12,16 +12,22 @@ matcher is rolled back afterwards: server/engine/core.py advances it by the acce
 from __future__ import annotations
 
 import torch
-from pagedserve.server.grammar_state import GrammarState
-from pagedserve.server.structured_output.bitmask import BITS, GrammarBitmask
+from pagedserve.server.grammar_state import GrammarState, Phase
+from pagedserve.server.structured_output.bitmask import BITS, GrammarBitmask, fill_row
 
 
 def check_drafts(grammar: GrammarState, drafts: list[int]) -> tuple[list[int], GrammarBitmask]:
-    """The drafts to verify and the mask of each of their ``len + 1`` positions (as batch rows 0..)."""
+    """The drafts to verify and the mask of each of their ``len + 1`` positions (as batch rows 0..).
+    Before a reasoning model's answer (server/grammar_state.py ``Phase``) none: the step samples one
+    free token, as without speculation."""
+    words = (grammar.vocab_size + BITS - 1) // BITS
+    if grammar.phase is not Phase.ANSWERING:
+        bits = torch.empty((1, words), dtype=torch.int32)
+        fill_row(grammar, bits, 0)
+        return [], GrammarBitmask([0], bits)
     matcher = grammar.matcher
     num_valid = int(matcher.validate_tokens(drafts))
     kept = drafts[: num_valid + 1]
-    words = (grammar.vocab_size + BITS - 1) // BITS
     masks = [_mask(matcher, words)]
     consumed = 0
     for token in kept[:num_valid]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from pagedserve.server.grammar_state import GrammarState, Phase
 
 if TYPE_CHECKING:
     from pagedserve.server.request import Request
@@ -46,9 +47,26 @@ def fill_grammar_bitmask(requests: list[Request]) -> GrammarBitmask | None:
     words = (requests[rows[0]].grammar.vocab_size + BITS - 1) // BITS  # type: ignore[union-attr]
     bits = torch.empty((len(rows), words), dtype=torch.int32)
     for index, row in enumerate(rows):
-        matcher = requests[row].grammar.matcher  # type: ignore[union-attr]
-        matcher.unsafe_compute_mask_ptr(bits.data_ptr() + index * words * 4, words * 4)  # drops the GIL
+        fill_row(requests[row].grammar, bits, index)  # type: ignore[arg-type]
     return GrammarBitmask(rows, bits)
+
+
+def fill_row(grammar: GrammarState, bits: torch.Tensor, index: int) -> None:
+    """Row ``index`` of ``bits``: the tokens ``grammar`` allows next. A reasoning model's reasoning is
+    free; its first token may also be the opening tag (server/grammar_state.py ``Phase``)."""
+    if grammar.waiting:
+        bits[index] = -1
+        return
+    words = bits.shape[1]
+    grammar.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + index * words * 4, words * 4)  # drops the GIL
+    if grammar.phase is Phase.DECIDING:
+        start = grammar.gate.start_token_id  # type: ignore[union-attr]
+        bits[index, start // BITS] |= _bit(start % BITS)
+
+
+def _bit(position: int) -> int:
+    """Bit ``position`` of an int32 word, as the signed value torch stores (bit 31 is negative)."""
+    return -(1 << 31) if position == 31 else 1 << position
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask | None) -> torch.Tensor:

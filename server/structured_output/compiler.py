@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.server.grammar_state import GrammarState
-from pagedserve.server.sampling_params import StructuredOutputsParams
+from pagedserve.server.sampling_params import StructuredOutputsParams, ThinkGate
 from pagedserve.server.structured_output.grammar import GrammarKey, grammar_key, grammar_source
 
 COMPILE_TIMEOUT_S = 5.0
@@ -39,9 +39,10 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_ids: frozenset[int]
 
-    def new_state(self) -> GrammarState:
-        """A matcher of its own for one request, at the start of the grammar."""
-        return GrammarState(self.prototype.deep_copy(), self.vocab_size, self.eos_token_ids)
+    def new_state(self, gate: ThinkGate | None = None) -> GrammarState:
+        """A matcher of its own for one request, at the start of the grammar (after the reasoning, with a
+        reasoning model's ``gate``)."""
+        return GrammarState(self.prototype.deep_copy(), self.vocab_size, self.eos_token_ids, gate=gate)
 
 
 class GrammarCompiler:

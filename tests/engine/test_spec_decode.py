@@ -275,6 +275,29 @@ def test_grammar_drafts_are_cut_after_the_first_refused_one(llm: LLM) -> None:
     assert grammar.accept(ab[0]) and grammar.accept(ab[0]) and grammar.accept(abc)  # rolled back to the start
 
 
+def test_a_grammar_waiting_for_the_reasoning_gets_no_drafts_and_a_free_mask(llm: LLM) -> None:
+    """While a reasoning model reasons (server/grammar_state.py Phase.THINKING) its grammar takes no token
+    and masks none, drafts are not checked against it; after the closing tag both hold again."""
+    from pagedserve.server.grammar_state import Phase
+    from pagedserve.server.sampling_params import StructuredOutputsParams, ThinkGate
+    from pagedserve.server.spec_decode.grammar_drafts import check_drafts
+    from pagedserve.server.structured_output.compiler import GrammarCompiler
+
+    tokenizer = llm.get_tokenizer()
+    ab, zz = tokenizer.encode("ab")[0], tokenizer.encode("zz")[0]
+    end, start = tokenizer.encode("!")[0], tokenizer.encode("?")[0]  # stand-ins for the think tags
+    compiler = GrammarCompiler(tokenizer, llm.engine.vocab_size, frozenset({tokenizer.eos_token_id}))
+    constraint = StructuredOutputsParams(regex=r"(ab){3}c")
+    grammar = compiler.compile(constraint).new_state(ThinkGate(start, end, thinks_from_start=True))
+    kept, mask = check_drafts(grammar, [zz, zz])
+    assert kept == [] and bool((mask.bits == -1).all())
+    assert grammar.accept(zz) and grammar.accept(zz) and grammar.phase is Phase.THINKING
+    assert grammar.accept(end) and grammar.phase is Phase.ANSWERING
+    assert not grammar.accept(zz)  # the answer is the grammar's
+    deciding = compiler.compile(constraint).new_state(ThinkGate(start, end, thinks_from_start=False))
+    assert deciding.phase is Phase.DECIDING and deciding.accept(ab) and deciding.phase is Phase.ANSWERING
+
+
 # ---- the draft model's mechanics: its own cache over the target's blocks --------------------------------
 
 

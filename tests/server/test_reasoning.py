@@ -118,3 +118,75 @@ async def test_without_a_parser_the_reply_is_all_content(
         body = {"model": "fake-model", "messages": MSGS, **stop}
         message = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
     assert message["content"] == REPLY and message.get("reasoning_content") is None
+
+
+# ------------------------------------------------- a real engine: the grammar waits for the reasoning
+THINK_TEMPLATE = (  # DeepSeek-R1's way: the generation prompt opens the reasoning
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+ANSWER = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "digit"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture
+async def thinking_app(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random Qwen3-shaped model whose tokenizer has <think> and </think> as tokens of their own
+    (as Qwen3's and the R1 distills' do), served with --reasoning-parser deepseek_r1."""
+    from pagedserve.server.api.app import ServerSettings, build_app
+    from pagedserve.server.config import EngineConfig
+    from pagedserve.server.engine.async_engine import AsyncEngine
+    from transformers import AutoTokenizer, Qwen3Config
+
+    from pagedserve.testing.tiny_models import TINY, TINY_VOCAB, tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen3-think")
+    config = Qwen3Config(**{**TINY, "vocab_size": TINY_VOCAB + 2}, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    tiny_checkpoint(config, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINK_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(folder), device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=256
+    ))  # fmt: skip
+    app = build_app(engine, ServerSettings(reasoning_parser="deepseek_r1"))
+    await engine.start()
+    yield app, tokenizer.convert_tokens_to_ids("</think>")
+    await engine.shutdown(grace_seconds=0)
+
+
+async def test_a_json_schema_holds_for_the_answer_after_free_reasoning(thinking_app: Any) -> None:
+    """The reasoning is free text (the random model's), the content after </think> is JSON valid under the
+    schema; streamed replies split as the whole ones of the same seed."""
+    import jsonschema
+
+    app, end_id = thinking_app
+    # </think> made likely enough that the random model closes its reasoning after a few tokens.
+    # No free whitespace in the JSON: the random model would pad it with whitespace up to max_tokens.
+    answer = {"json": ANSWER, "disable_any_whitespace": True}
+    body = {"messages": MSGS, "max_tokens": 80, "temperature": 1.0,
+            "logit_bias": {str(end_id): 4}, "structured_outputs": answer}  # fmt: skip
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as http:
+        reasonings = []
+        for seed in range(6):
+            whole = (await http.post("/v1/chat/completions", json={**body, "seed": seed})).json()
+            assert "choices" in whole, whole
+            message = whole["choices"][0]["message"]
+            assert whole["choices"][0]["finish_reason"] == "stop", message
+            jsonschema.validate(json.loads(message["content"]), ANSWER)
+            reasonings.append(message["reasoning_content"] or "")
+            text = (await http.post("/v1/chat/completions", json={**body, "seed": seed, "stream": True})).text
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in text.splitlines()
+                      if line.startswith("data: {") and json.loads(line[6:])["choices"]]  # fmt: skip
+            streamed = ("".join(d.get("reasoning_content") or "" for d in deltas),
+                        "".join(d.get("content") or "" for d in deltas))  # fmt: skip
+            assert streamed == (reasonings[-1], message["content"])
+    assert sum(1 for r in reasonings if r) >= 3, reasonings  # free reasoning came first in most
