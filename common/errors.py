@@ -97,8 +97,11 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
     return "; ".join(lines)
 
 
-def install_error_handlers(app: FastAPI, unknown_field_message: Callable[[str], str] | None = None) -> None:
-    """``unknown_field_message(name)``: the 400's message for a field the schema does not have."""
+def install_error_handlers(
+    app: FastAPI, unknown_field_message: Callable[[str, str], str] | None = None
+) -> None:
+    """``unknown_field_message(name, path)``: the 400's message for a field the schema of the request to
+    ``path`` does not have."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -116,7 +119,8 @@ def install_error_handlers(app: FastAPI, unknown_field_message: Callable[[str], 
         )
         param = _loc_to_param(first.get("loc", ()))
         if first.get("type") == "extra_forbidden" and unknown_field_message and param:
-            return error_response(unknown_field_message(param.rsplit(".", 1)[-1]), 400, param=param)
+            message = unknown_field_message(param.rsplit(".", 1)[-1], request.url.path)
+            return error_response(message, 400, param=param)
         return error_response(validation_message(errors) or "Invalid request", 400, param=param)
 
     @app.exception_handler(APIError)

@@ -211,14 +211,17 @@ def request_rows(model: Any) -> list[str]:
 
 def request_fields_page() -> str:
     from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+    from pagedserve.server.api.responses import UNSUPPORTED_RESPONSES_FIELDS, ResponsesRequest
 
     refused = [f"| `{name}` | {cell(why)} |" for name, why in UNSUPPORTED_FIELDS.items()]
+    refused_responses = [f"| `{name}` | {cell(why)} |" for name, why in UNSUPPORTED_RESPONSES_FIELDS.items()]
     table = ["| field | type | default | note |", "| --- | --- | --- | --- |"]
     return "\n".join([
         HEADER,
         "# Request fields\n",
-        "The fields `/v1/chat/completions` and `/v1/completions` take, from the request models "
-        "(`server/api/protocol.py`): OpenAI's and vLLM's names. Any other field is a 400 naming it.\n",
+        "The fields `/v1/chat/completions`, `/v1/completions` and `/v1/responses` take, from the request "
+        "models (`server/api/protocol.py`, `server/api/responses.py`): OpenAI's and vLLM's names. Any other "
+        "field is a 400 naming it.\n",
         "## `POST /v1/chat/completions`\n",
         *table,
         *request_rows(ChatCompletionRequest),
@@ -227,7 +230,16 @@ def request_fields_page() -> str:
         *table,
         *request_rows(CompletionRequest),
         "",
-        "## Not implemented\n",
+        "## `POST /v1/responses`\n",
+        *table,
+        *request_rows(ResponsesRequest),
+        "",
+        "Not implemented there, each a 400 naming it:\n",
+        "| field | why |",
+        "| --- | --- |",
+        *refused_responses,
+        "",
+        "## Not implemented in chat and completions\n",
         "Fields of OpenAI's or vLLM's requests that this server does not implement. Each is a 400 that names "
         "the field and says why, never a silently ignored field.\n",
         "| field | why |",

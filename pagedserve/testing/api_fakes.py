@@ -25,6 +25,7 @@ from pagedserve.server.request import Request
 
 SCRIPT = "Paris is the capital of France. "
 OFFSET = 3
+EOS_MARK = "\x04"  # in SCRIPT: the fake model samples its EOS token there (scripted(..., eos=True))
 
 
 class FakeTokenizer:
@@ -142,15 +143,18 @@ class ScriptedCore:
         index = int(request.request_id.rsplit("#", 1)[1]) if "#" in request.request_id else 0
         script = SCRIPT[index % len(SCRIPT) :] + SCRIPT[: index % len(SCRIPT)]
         char = script[request.num_output_tokens % len(script)]
-        token = ord(char) + OFFSET
+        token = FakeTokenizer.eos_token_id if char == EOS_MARK else ord(char) + OFFSET
         request.output_token_ids.append(token)
         self.generation_tokens += 1
         metrics = request.metrics
         metrics.first_scheduled_time = metrics.first_scheduled_time or now
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
-        finish = None
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        finish = "stop" if token == FakeTokenizer.eos_token_id else None
+        if finish:
+            metrics.finished_time = now
+        elif (request.num_output_tokens >= request.max_tokens
+              or request.num_tokens >= self.config.max_model_len):
             finish, metrics.finished_time = "length", now
         k = request.params.logprobs
         logprobs = [self._scripted_logprob(token, k)] if k is not None else None
@@ -221,11 +225,12 @@ class FakeEngine(AsyncEngine):
         return self.scripted.finished
 
 
-def scripted(monkeypatch: Any, reply: str) -> dict[str, Any]:
+def scripted(monkeypatch: Any, reply: str, eos: bool = False) -> dict[str, Any]:
     """The fake model replies ``reply`` (ASCII), one character a step, then stops: the request fields
-    that make it stop there. ``monkeypatch``: pytest's, which restores the script after the test."""
-    monkeypatch.setattr(sys.modules[__name__], "SCRIPT", reply + "\x00")
-    return {"max_tokens": len(reply) + 5, "stop": ["\x00"]}
+    that make it stop there (a stop string; with ``eos``, its EOS token: for APIs without stop strings).
+    ``monkeypatch``: pytest's, which restores the script after the test."""
+    monkeypatch.setattr(sys.modules[__name__], "SCRIPT", reply + (EOS_MARK if eos else "\x00"))
+    return {"max_tokens": len(reply) + 5, **({} if eos else {"stop": ["\x00"]})}
 
 
 async def app_client(engine: FakeEngine, **settings: Any) -> httpx.AsyncClient:

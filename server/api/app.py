@@ -25,6 +25,7 @@ from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.kv_events import router as kv_events_router
 from pagedserve.server.api.metrics import ServerMetrics
 from pagedserve.server.api.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
@@ -45,8 +46,11 @@ from pagedserve.server.api.protocol import (
     VersionResponse,
     unknown_field_message,
 )
+from pagedserve.server.api.responses import UNSUPPORTED_RESPONSES_FIELDS, ResponsesRequest
+from pagedserve.server.api.serving_base import dumps
 from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
+from pagedserve.server.api.serving_responses import OpenAIServingResponses
 from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
 from pagedserve.server.engine.gc_heap import freeze_startup_heap
 from pagedserve.server.engine.protocol import EngineClient
@@ -78,6 +82,12 @@ class ServerSettings:
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/api/reasoning_parsers/)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's env switch, read at start)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
+
+
+def _unknown_field(name: str, path: str) -> str:
+    """A request field its schema does not have: refused by name where its API defines it."""
+    refused = UNSUPPORTED_RESPONSES_FIELDS if path.startswith("/v1/responses") else UNSUPPORTED_FIELDS
+    return unknown_field_message(name, refused)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -113,6 +123,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         reasoning_parser=settings.reasoning_parser,
     )
     completion = OpenAIServingCompletion(*serving)
+    responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(*serving)
     auth_errors = (401,) if settings.api_key else ()
 
@@ -134,7 +145,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.graceful_stop = stop
-    install_error_handlers(app, unknown_field_message)
+    install_error_handlers(app, _unknown_field)
 
     @app.get(
         "/health",
@@ -238,6 +249,25 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     )
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post(
+        "/v1/responses",
+        response_model=None,
+        responses={
+            200: {"description": "A Response, or with stream=true OpenAI's server-sent response events"},
+            **_errors(400, *auth_errors, 404, 500, 503),
+        },
+    )
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=_errors(*auth_errors, 404))
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(dumps(responses.retrieve(response_id)), media_type="application/json")
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_errors(400, *auth_errors, 404))
+    async def cancel_response(response_id: str) -> Response:
+        return Response(dumps(responses.cancel(response_id)), media_type="application/json")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, *auth_errors, 404))
     async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:

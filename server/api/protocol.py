@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import jsonschema
 from pagedserve.server.exceptions import InvalidRequestError
@@ -80,12 +80,13 @@ def _nullable_names(model: type[BaseModel]) -> frozenset[str]:
         for name in (field_name, info.alias)
         if name
     }
-    return frozenset(optional | set(UNSUPPORTED_FIELDS))
+    return frozenset(optional | set(getattr(model, "refused_fields", {})))
 
 
-def unknown_field_message(name: str) -> str:
-    """The 400 for a request field that is not in the schema (errors.py uses it)."""
-    reason = UNSUPPORTED_FIELDS.get(name)
+def unknown_field_message(name: str, refused: dict[str, str] = UNSUPPORTED_FIELDS) -> str:
+    """The 400 for a request field that is not in the schema (errors.py uses it); ``refused``: the fields
+    its API defines that this server does not implement, with why."""
+    reason = refused.get(name)
     if reason is not None:
         return f"{name} is not supported by this server: {reason}."
     return f"Unrecognized request argument supplied: {name}"
@@ -144,6 +145,8 @@ class RequestModel(OpenAIBaseModel):
     model_config = ConfigDict(
         extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra=_optional_fields_take_null
     )
+    # Its API's fields this server refuses by name, and why (their null is unset too).
+    refused_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     @model_validator(mode="before")
     @classmethod

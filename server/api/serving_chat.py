@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common.errors import APIError
@@ -30,6 +32,16 @@ ROLE = "assistant"
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ChatRun:
+    """A chat request under way: its engine stream (observed for metrics) and what reads its reply."""
+
+    stream: AsyncIterator[RequestOutput]
+    tool_parser: ToolParser | None
+    num_prompt_tokens: int
+    model: str  # the response's model name (a LoRA adapter's, or the base model's)
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
@@ -47,6 +59,31 @@ class OpenAIServingChat(OpenAIServing):
         self.think_gate = think_gate(self.engine.tokenizer, self.reasoning_parser)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start(request)
+        # As OpenAI streams: content "" opens a text reply, null one that may be tool calls (the stream
+        # helpers then leave content null when only calls follow).
+        content = "" if run.tool_parser is None else None
+        opening = [
+            {"index": i, "delta": {"role": ROLE, "content": content}, "logprobs": None, "finish_reason": None}
+            for i in range(request.n)
+        ]
+        form = ResponseForm(
+            id_prefix="chatcmpl",
+            object="chat.completion",
+            chunk_object="chat.completion.chunk",
+            stream=request.stream,
+            num_prompt_tokens=run.num_prompt_tokens,
+            chunk_choice=self.chunk_choice(request, run.tool_parser),
+            choices=lambda finals: self.choices(finals[0], request, run.tool_parser),
+            opening=opening,
+            body_fields=self._prompt_logprobs if request.prompt_logprobs is not None else None,
+            model=run.model,
+        )
+        return await self.respond(raw_request, [run.stream], form, request.stream_options)
+
+    async def start(self, request: ChatCompletionRequest) -> ChatRun:
+        """The request checked, templated, tokenized and added to the engine: its observed stream and
+        what reads its reply. The chat and the Responses API (server/api/serving_responses.py) share it."""
         lora = self.check_model(request.model)
         self.check_request(request)
         if request.top_logprobs and not request.logprobs:
@@ -70,30 +107,9 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False  # the parser reads the call markers
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         (engine_stream,) = await self.add_requests([prompt], params, "messages", request, lora)
-
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
-        # As OpenAI streams: content "" opens a text reply, null one that may be tool calls (the stream
-        # helpers then leave content null when only calls follow).
-        content = "" if tool_parser is None else None
-        opening = [
-            {"index": i, "delta": {"role": ROLE, "content": content}, "logprobs": None, "finish_reason": None}
-            for i in range(request.n)
-        ]
-        form = ResponseForm(
-            id_prefix="chatcmpl",
-            object="chat.completion",
-            chunk_object="chat.completion.chunk",
-            stream=request.stream,
-            num_prompt_tokens=len(prompt_ids),
-            chunk_choice=self._chunk_choice(request, tool_parser),
-            choices=lambda finals: self._choices(finals[0], request, tool_parser),
-            opening=opening,
-            body_fields=self._prompt_logprobs if request.prompt_logprobs is not None else None,
-            model=self.response_model(lora),
-        )
-        return await self.respond(
-            raw_request, [self.observed(engine_stream, tracker)], form, request.stream_options
-        )
+        stream = self.observed(engine_stream, tracker)
+        return ChatRun(stream, tool_parser, len(prompt_ids), self.response_model(lora))
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """What reads the calls out of the reply: none without tools or with "none"; the server's parser
@@ -118,7 +134,7 @@ class OpenAIServingChat(OpenAIServing):
             return RequiredToolParser()
         return NamedToolParser(choice.function.name)
 
-    def _choices(
+    def choices(
         self, final: RequestOutput, request: ChatCompletionRequest, tool_parser: ToolParser | None
     ) -> list[dict[str, Any]]:
         choices = []
@@ -150,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         """vLLM puts a chat response's prompt_logprobs beside its choices."""
         return {"prompt_logprobs": self.prompt_logprobs_json(finals[0].prompt_logprobs)}
 
-    def _chunk_choice(self, request: ChatCompletionRequest, tool_parser: ToolParser | None) -> ChoiceShaper:
+    def chunk_choice(self, request: ChatCompletionRequest, tool_parser: ToolParser | None) -> ChoiceShaper:
         """A chat chunk's choice: the delta's text as `delta.content` (or, read by the tool parser, as
         content and `delta.tool_calls`), with its tokens' logprobs."""
         top_logprobs = request.top_logprobs or 0
