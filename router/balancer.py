@@ -197,7 +197,9 @@ def least_loaded(loads: dict[str, float], rng: random.Random) -> str:
 class BackendState:
     """What the balancer knows of one replica."""
 
-    __slots__ = ("discovered", "healthy", "in_flight", "index", "kv_usage", "models", "url", "waiting")
+    __slots__ = (
+        "discovered", "healthy", "in_flight", "index", "instance", "kv_usage", "models", "url", "waiting"
+    )  # fmt: skip
 
     def __init__(self, url: str, index_capacity: int) -> None:
         self.url = url
@@ -207,6 +209,7 @@ class BackendState:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self.index = LRUIndex(index_capacity)
+        self.instance: str | None = None  # its engine's instance (/health), in the response ids it makes
         self.models: ServedModels | None = None  # its /v1/models (router/adapters.py); None: not read yet
 
     @property
@@ -327,6 +330,15 @@ class Balancer:
         if state is not None and state.models != models:
             state.models = models
             self._adapter_names = None
+
+    def set_instance(self, url: str, instance: str | None) -> None:
+        state = self.backends.get(url)
+        if state is not None and instance:
+            state.instance = instance
+
+    def url_of_instance(self, instance: str) -> str | None:
+        """The replica whose engine is ``instance`` (it stores that instance's responses)."""
+        return next((url for url, s in self.backends.items() if s.instance == instance), None)
 
     def adapter_names(self) -> frozenset[str]:
         """Every LoRA adapter some replica lists (cached until a list changes or a replica goes)."""

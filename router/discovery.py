@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pagedserve.common.routing import INSTANCE_HEADER
 from pagedserve.router.adapters import parse_models
 from pagedserve.router.balancer import Balancer
 
@@ -424,6 +425,7 @@ class HealthMonitor:
         if isinstance(models, httpx.Response):  # a failed fetch keeps the list of the last good poll
             self.balancer.set_models(url, _models_of(models))
         if isinstance(health, httpx.Response):
+            self.balancer.set_instance(url, health.headers.get(INSTANCE_HEADER))
             return health.status_code == 200, False
         refused = isinstance(health, httpx.ConnectError)
         if not refused:

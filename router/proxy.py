@@ -52,6 +52,7 @@ from typing import Any
 import httpx
 from pagedserve.common.disconnect import ClientDisconnected, run_unless_disconnected
 from pagedserve.common.errors import error_json_bytes as error_json
+from pagedserve.common.routing import instance_of_response
 from pagedserve.router.activator import Activator, HeldRequestRefused
 from pagedserve.router.adapters import (
     ADAPTER,
@@ -544,6 +545,20 @@ class RouterApp:
             logger.debug("hashing failed", exc_info=True)
             return PromptKey(model)
 
+    def _response_holder(self, path: str, body: bytes) -> str | None:
+        """For the Responses API: the replica storing the response a request names (by
+        ``previous_response_id``, or in its path), from the instance in the id (common/routing.py)."""
+        if not path.startswith("/v1/responses"):
+            return None
+        response_id = path.split("/")[3] if path.count("/") >= 3 else None
+        if response_id is None and b"previous_response_id" in body:
+            try:
+                response_id = json.loads(body).get("previous_response_id")
+            except (ValueError, AttributeError):
+                return None
+        instance = instance_of_response(response_id) if isinstance(response_id, str) else None
+        return self.balancer.url_of_instance(instance) if instance is not None else None
+
     def _route(self, model: str | None) -> Route:
         replicas = {url: (s.ready, s.models) for url, s in self.balancer.backends.items()}
         return route_for(model, replicas, self.config.model_name)
@@ -619,6 +634,8 @@ class RouterApp:
         if not await self._admit_route(send, route, key.model, exchange):
             return
         only = route.holders if route.kind == ADAPTER else None
+        if (holder := self._response_holder(path, body)) is not None:
+            only = {holder}  # it alone stores the response this request continues (or reads)
         tried = exchange.tried
         last_error = "no ready backend"
         decision = balancer.choose(hashes, tried, kv_matches, only)

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from pagedserve.common.chat_template import ChatTemplateRenderer, TemplateLimits
 from pagedserve.common.engine_args import as_dict as engine_args_in_force
 from pagedserve.common.errors import error_response, install_error_handlers
+from pagedserve.common.routing import INSTANCE_HEADER, new_instance
 from pagedserve.server.api.access_log import AccessLogMiddleware
 from pagedserve.server.api.auth import APIKeyMiddleware
 from pagedserve.server.api.graceful_stop import GracefulStop
@@ -123,7 +124,8 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         reasoning_parser=settings.reasoning_parser,
     )
     completion = OpenAIServingCompletion(*serving)
-    responses = OpenAIServingResponses(chat)
+    instance = new_instance()
+    responses = OpenAIServingResponses(chat, instance)
     tokenization = OpenAIServingTokenization(*serving)
     auth_errors = (401,) if settings.api_key else ()
 
@@ -156,7 +158,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         if stop.draining:
             return error_response("The server is shutting down.", 503)
         if engine.is_healthy():
-            return Response(status_code=200)
+            return Response(status_code=200, headers={INSTANCE_HEADER: instance})
         return error_response("The engine is not running.", 503)
 
     @app.get("/version", response_model=VersionResponse)

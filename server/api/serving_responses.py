@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve.common.disconnect import ClientDisconnected
 from pagedserve.common.errors import APIError
+from pagedserve.common.routing import new_response_id
 from pagedserve.server.api.protocol import ChatCompletionRequest
 from pagedserve.server.api.responses import (
     ResponsesRequest,
@@ -94,8 +95,9 @@ class OpenItems:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat) -> None:
+    def __init__(self, chat: OpenAIServingChat, instance: str) -> None:
         self.chat = chat
+        self.instance = instance  # in every response id: the router finds the replica that stores it
         self.store = ResponseStore()
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
@@ -109,7 +111,7 @@ class OpenAIServingResponses:
             where = ".".join(str(part) for part in error["loc"])
             raise APIError(f"{where}: {error['msg']}", 400, param=where) from exc
         run = await self.chat.start(chat_request)
-        response_id = new_id("resp")
+        response_id = new_response_id(self.instance)
         if request.stream:
             events = self._events(response_id, request, chat_request, run)
             return EventStreamResponse(events, headers={"X-Request-Id": response_id})
