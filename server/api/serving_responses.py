@@ -83,6 +83,11 @@ class EventWriter:
         self.sequence += 1
         return f"event: {kind}\ndata: {dumps(event)}\n\n"
 
+    def on(self, kind: str, item: dict[str, Any], output_index: int, **fields: Any) -> str:
+        """An event about a part of output item ``item``; text parts are content part 0."""
+        where = {} if kind.startswith("response.function_call") else {"content_index": 0}
+        return self(kind, item_id=item["id"], output_index=output_index, **where, **fields)
+
 
 @dataclass
 class OpenItems:
@@ -229,128 +234,63 @@ class OpenAIServingResponses:
         yield write(kind, response=body)
 
     def _delta_events(self, write: EventWriter, opened: OpenItems, delta: dict[str, Any]) -> list[str]:
-        events = []
+        """One chat delta (reasoning, text, tool call fragments) as Responses events."""
+        events: list[str] = []
         if reasoning := delta.get("reasoning_content"):
             if opened.reasoning is None:
-                opened.reasoning = len(opened.items)
-                opened.items.append(reasoning_item(new_id("rs"), ""))
-                item = {**opened.items[-1], "content": []}
-                events.append(write("response.output_item.added", output_index=opened.reasoning, item=item))
+                opened.reasoning = self._open(write, opened, reasoning_item(new_id("rs"), ""), events)
             item = opened.items[opened.reasoning]
             item["content"][0]["text"] += reasoning
-            events.append(
-                write(
-                    "response.reasoning_text.delta",
-                    item_id=item["id"],
-                    output_index=opened.reasoning,
-                    content_index=0,
-                    delta=reasoning,
-                )
-            )
+            events.append(write.on("response.reasoning_text.delta", item, opened.reasoning, delta=reasoning))
         if content := delta.get("content"):
             if opened.message is None:
-                opened.message = len(opened.items)
-                opened.items.append(message_item(new_id("msg"), "", status="in_progress"))
-                item = opened.items[-1]
-                events.append(write("response.output_item.added", output_index=opened.message, item=item))
+                item = message_item(new_id("msg"), "", status="in_progress")
+                opened.message = self._open(write, opened, item, events)
                 item["content"] = [output_text("")]
-                events.append(
-                    write(
-                        "response.content_part.added",
-                        item_id=item["id"],
-                        output_index=opened.message,
-                        content_index=0,
-                        part=output_text(""),
-                    )
-                )
-            item = opened.items[opened.message]
+                part = output_text("")
+                events.append(write.on("response.content_part.added", item, opened.message, part=part))
+            index = opened.message
+            item = opened.items[index]
             item["content"][0]["text"] += content
-            events.append(
-                write(
-                    "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=opened.message,
-                    content_index=0,
-                    delta=content,
-                    logprobs=[],
-                )
-            )
+            events.append(write.on("response.output_text.delta", item, index, delta=content, logprobs=[]))
         for call in delta.get("tool_calls") or []:
             if call["index"] not in opened.calls:
-                opened.calls[call["index"]] = len(opened.items)
-                opened.items.append(
-                    function_call_item(
-                        new_id("fc"),
-                        {**call, "function": {"name": call["function"]["name"], "arguments": ""}},
-                        status="in_progress",
-                    )
-                )
-                events.append(
-                    write(
-                        "response.output_item.added",
-                        output_index=opened.calls[call["index"]],
-                        item=dict(opened.items[-1]),
-                    )
-                )
+                named = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}
+                item = function_call_item(new_id("fc"), named, status="in_progress")
+                opened.calls[call["index"]] = self._open(write, opened, item, events)
             index = opened.calls[call["index"]]
             if arguments := call.get("function", {}).get("arguments"):
                 opened.items[index]["arguments"] += arguments
-                events.append(
-                    write(
-                        "response.function_call_arguments.delta",
-                        item_id=opened.items[index]["id"],
-                        output_index=index,
-                        delta=arguments,
-                    )
-                )
+                events.append(write.on("response.function_call_arguments.delta", opened.items[index], index,
+                                       delta=arguments))  # fmt: skip
         return events
 
+    @staticmethod
+    def _open(write: EventWriter, opened: OpenItems, item: dict[str, Any], events: list[str]) -> int:
+        """Add ``item`` to the output and announce it; its output index."""
+        index = len(opened.items)
+        opened.items.append(item)
+        announced = {**item, "content": []} if "content" in item else dict(item)
+        events.append(write("response.output_item.added", output_index=index, item=announced))
+        return index
+
     def _close(self, write: EventWriter, opened: OpenItems) -> list[str]:
+        """The .done events of every open item, in output order."""
         events = []
         for index, item in enumerate(opened.items):
             if item["type"] == "reasoning":
                 text = item["content"][0]["text"]
-                events.append(
-                    write(
-                        "response.reasoning_text.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                    )
-                )
+                events.append(write.on("response.reasoning_text.done", item, index, text=text))
             elif item["type"] == "message":
                 part = item["content"][0]
-                events.append(
-                    write(
-                        "response.output_text.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        text=part["text"],
-                        logprobs=[],
-                    )
-                )
-                events.append(
-                    write(
-                        "response.content_part.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        part=part,
-                    )
-                )
-                item["status"] = "completed"
+                text = part["text"]
+                events.append(write.on("response.output_text.done", item, index, text=text, logprobs=[]))
+                events.append(write.on("response.content_part.done", item, index, part=part))
             else:
-                events.append(
-                    write(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        name=item["name"],
-                        arguments=item["arguments"],
-                    )
-                )
+                name, arguments = item["name"], item["arguments"]
+                kind = "response.function_call_arguments.done"
+                events.append(write.on(kind, item, index, name=name, arguments=arguments))
+            if item["type"] != "reasoning":
                 item["status"] = "completed"
             events.append(write("response.output_item.done", output_index=index, item=item))
         return events
