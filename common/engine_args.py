@@ -123,6 +123,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = arg(
         help="KV cache budget in bytes (e.g. 2G, 512MiB)", metavar="BYTES", parse=human_bytes, gt=0
     )
+    # vLLM's CPU KV offloading, all ranks together (server/core/host_tier.py); --kv-offload-bytes in bytes.
     kv_offloading_size: float | None = arg(
         help="a CPU (host memory) KV tier of this many GiB behind the device pool: blocks evicted from the "
         "device go there, and prefix hits there are copied back instead of recomputed (vLLM's flag)",
@@ -140,11 +141,13 @@ class EngineArgs:
         0.9, "the share of the GPU's memory the engine may fill, KV cache included", gt=0, le=1, operator=True
     )
     enforce_eager: bool = arg(False, "no CUDA graphs", operator=True)
+    # Where it leaves outputs unchanged (server/core/scheduler.py schedule_ahead); None: on a GPU only.
     async_scheduling: bool | None = arg(
         help="launch each decode step before the previous one's tokens are read back, hiding the host's "
         "work behind the device's (default: on a GPU); outputs are unchanged",
         operator=True,
     )
+    # server/loader/generation_config.py reads it.
     generation_config: str = arg(
         "auto", "request defaults from generation_config.json: auto (the model's), vllm (none) or a folder"
     )
@@ -153,10 +156,13 @@ class EngineArgs:
         "triton on a GPU and cpu on a CPU; server/backend.py)",
         choices=ATTENTION_BACKENDS,
     )
+    # vLLM configures a ZMQ publisher with --kv-events-config; here it is one stream on the engine's own
+    # port (server/core/kv_events.py), so a switch is all there is to say.
     enable_kv_events: bool = arg(
         False, "publish KV cache events (blocks stored, removed, cleared) on GET /v1/kv_events, for "
         "`pagedserve router --strategy kv-events`",
     )  # fmt: skip
+    # fp8 halves a 16-bit cache's bytes per token, with per-layer scales (server/layers/attention.py).
     kv_cache_dtype: str = arg(
         "auto", "the KV cache's element type: auto (the model's dtype), fp8 or fp8_e4m3 (the same)",
         choices=KV_CACHE_DTYPES, operator=True,
@@ -167,6 +173,8 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (server/speculative_config.py)',
         metavar="JSON", parse=str,
     )  # fmt: skip
+    # Each a method of server/layers/quantization/; None: the checkpoint's own format, resolved by
+    # server/config.py checkpoint_quantization.
     quantization: str | None = arg(
         help="weight format: int8 (weight-only, per output channel, quantized at load), fp8 (e4m3 weights "
         "per output channel and activations per token, FP8 tensor cores on a Hopper GPU) or gguf (a .gguf "
@@ -174,11 +182,13 @@ class EngineArgs:
         "one CPU rank, else none (the weights' own float dtype)",
         short=("-q",), choices=QUANTIZATION_METHODS, operator=True,
     )  # fmt: skip
+    # Megatron's split (server/distributed/); what does not run split yet is refused in server/config.py.
     tensor_parallel_size: int = arg(
         1, "split the model across N ranks, one process each (gloo on the CPU, NCCL on GPUs 0..N-1); "
         "N must divide the query heads, and divide or be divided by the KV heads",
         short=("-tp",), metavar="N", ge=1,
     )  # fmt: skip
+    # Many adapters on the base model (server/lora/).
     enable_lora: bool = arg(
         False, "serve LoRA adapters (PEFT folders or HF ids) on the base model: a request's model names one; "
         "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, POST /v1/load_lora_adapter {lora_name, lora_path} "
