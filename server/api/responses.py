@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pagedserve.common.errors import APIError
 from pagedserve.server.api.protocol import JSONSchema, PromptCacheOptions, RequestModel, Text
-from pydantic import Field
+from pydantic import Field, field_validator
 
 # Fields of OpenAI's Responses request this server does not implement, and why: each one a 400 naming it.
 UNSUPPORTED_RESPONSES_FIELDS = {
@@ -87,9 +87,7 @@ class ResponsesRequest(RequestModel):
     reasoning: ReasoningOptions | None = None
     stream: bool = False
     store: bool = Field(True, description="kept in this server's bounded memory, for previous_response_id")
-    include: list[Literal["message.output_text.logprobs"]] | None = Field(
-        None, description="accepted; logprobs are not reported in responses yet"
-    )
+    include: list[Text] | None = Field(None, description="only empty: no extra output data is reported yet")
     truncation: Literal["disabled"] | None = None
     top_logprobs: Literal[0] | None = None
     metadata: dict[str, Text] | None = None
@@ -100,6 +98,14 @@ class ResponsesRequest(RequestModel):
     prompt_cache_options: PromptCacheOptions | None = None
     service_tier: Literal["auto", "default"] | None = None
     stream_options: dict[str, Any] | None = None
+
+
+    @field_validator("include")
+    @classmethod
+    def _nothing_included(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError(f"{', '.join(value)}: not supported (no extra output data is reported yet)")
+        return value
 
 
 def new_id(prefix: str) -> str:

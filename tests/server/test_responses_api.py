@@ -135,6 +135,8 @@ async def test_refusals_name_the_field(http: httpx.AsyncClient) -> None:
         await http.post("/v1/responses", json={"input": "x", "background": True}), "background"
     )
     assert_400(await http.post("/v1/responses", json={"input": [{"type": "input_image"}]}), "input[0]")
+    include = {"input": "x", "include": ["message.output_text.logprobs"]}
+    assert "not supported" in assert_400(await http.post("/v1/responses", json=include), "include")
     missing = await http.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_nope"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
     assert (await http.get("/v1/responses/resp_nope")).status_code == 404
