@@ -15,6 +15,7 @@ A request is taken as OpenAI takes it, and /openapi.json says exactly that (``Re
   were given, with whatever fields those had, so a message may carry fields the template does not read.
 - **Null is unset.** ``null`` for any optional field is taken as not given, as OpenAI takes it: the field's
   default applies (``RequestModel._null_is_unset``), and /openapi.json lets every optional field be null.
+  A field whose type takes null keeps vLLM's meaning of it (``max_tokens: null``: the model's default).
 - **Valid Unicode.** A lone surrogate (JSON ``"\\ud83d"``) anywhere in the text is a 400 naming its
   field: no tokenizer or encoder downstream can take it.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 import jsonschema
@@ -71,16 +73,21 @@ UNSUPPORTED_FIELDS = {
 
 @functools.cache
 def _nullable_names(model: type[BaseModel]) -> frozenset[str]:
-    """The names whose ``null`` a request of ``model`` takes as unset: its optional fields (and their
-    aliases), and the refused fields of OpenAI and vLLM."""
+    """The names whose ``null`` a request of ``model`` takes as unset: its optional fields whose type has
+    no null of its own (and their aliases), and the refused fields of OpenAI and vLLM. Where a field takes
+    null, null keeps the meaning it has there (``max_tokens: null``: the model's default, as in vLLM)."""
     optional = {
         name
         for field_name, info in model.model_fields.items()
-        if not info.is_required()
+        if not info.is_required() and not _type_takes_null(info.annotation)
         for name in (field_name, info.alias)
         if name
     }
     return frozenset(optional | set(getattr(model, "refused_fields", {})))
+
+
+def _type_takes_null(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
 
 
 def unknown_field_message(name: str, refused: dict[str, str] = UNSUPPORTED_FIELDS) -> str:
