@@ -125,14 +125,15 @@ class OpenAIServingResponses:
         except ClientDisconnected:
             return Response(status_code=499)
         (choice,) = self.chat.choices(final, chat_request, run.tool_parser)
-        output = output_items(choice["message"])
+        message = choice["message"]
+        output = output_items(message)
         body = response_object(
             response_id,
             request,
             run.model,
             output,
             "completed",
-            self._usage(final, choice["message"].get("reasoning_content")),
+            self._usage(final, message.get("reasoning_content"), len(final.outputs[0].token_ids)),
             choice["finish_reason"],
         )
         self._keep(response_id, request, body)
@@ -159,8 +160,8 @@ class OpenAIServingResponses:
         if request.store:
             self.store.put(response_id, StoredResponse(body, history_items(request, body["output"])))
 
-    def _usage(self, final: Any, reasoning: str | None) -> dict[str, int]:
-        output_tokens = sum(len(out.token_ids) for out in final.outputs)
+    def _usage(self, final: Any, reasoning: str | None, output_tokens: int) -> dict[str, int]:
+        """The Response's usage; reasoning tokens counted by tokenizing the reasoning text again."""
         reasoning_tokens = (
             len(self.chat.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         )
@@ -208,15 +209,7 @@ class OpenAIServingResponses:
         for event in self._close(write, opened):
             yield event
         reasoning = next((i["content"][0]["text"] for i in opened.items if i["type"] == "reasoning"), None)
-        usage = None
-        if final is not None:
-            tokens = len(self.chat.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-            usage = usage_json(
-                len(final.prompt_token_ids),
-                output_tokens,
-                final.num_cached_tokens,
-                min(tokens, output_tokens),
-            )
+        usage = self._usage(final, reasoning, output_tokens) if final is not None else None
         body = response_object(
             response_id,
             request,
