@@ -44,6 +44,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 KV_OFFLOADING_BACKENDS = ("native",)
 # The kernel backends of server/backend.py.
 ATTENTION_BACKENDS = ("triton", "cpu", "torch")
+# vLLM's --runner values that exist here: generate samples tokens; pooling returns one vector per prompt
+# (server/worker/pooler.py); auto picks by the checkpoint (server/loader/pooler_config.py resolve_runner).
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older --task values and the runner each means
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -60,6 +65,13 @@ def human_bytes(value: str) -> int:
 
 def bytes_as_gib(value: str) -> float:
     return human_bytes(value) / GIB
+
+
+def task_runner(value: str) -> str:
+    """vLLM's older ``--task`` as the ``--runner`` it means."""
+    if value not in TASK_RUNNERS:
+        raise argparse.ArgumentTypeError(f"--task must be one of {', '.join(TASK_RUNNERS)}, got {value!r}")
+    return TASK_RUNNERS[value]
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,19 @@ class EngineArgs:
         help="HF folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)", positional=True
     )
     tokenizer: str | None = arg(help="tokenizer folder (default: the model's)")
+    runner: str = arg(
+        "auto", "generate (sample tokens) or pooling (one vector per prompt: /v1/embeddings, /pooling, "
+        "/score, /rerank); auto: pooling for a base-model architecture (e.g. Qwen3Model) or a "
+        "sentence-transformers folder (modules.json), else generate",
+        choices=RUNNERS, operator=True,
+        other_spelling=OtherSpelling("--task", task_runner, "TASK",
+                                     "vLLM's older spelling: embed (--runner pooling) or generate"),
+    )  # fmt: skip
+    pooler_config: Any = arg(
+        help='how the pooling runner makes its vector, over the checkpoint\'s sentence-transformers config: '
+        'JSON {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true | false} (vLLM\'s flag)',
+        metavar="JSON", parse=str,
+    )  # fmt: skip
     served_model_name: str | list[str] | None = arg(
         help="name(s) the API accepts; the first is reported (default: the model)"
     )
@@ -234,6 +259,8 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        if self.pooler_config is not None and self.runner == "generate":
+            raise ValueError("pooler_config needs the pooling runner (runner 'pooling' or 'auto')")
 
 
 def settings(cls: type = EngineArgs) -> Iterator[tuple[dataclasses.Field, Arg]]:

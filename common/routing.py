@@ -13,6 +13,10 @@ DEFAULT_STRATEGY = "prefix-hash"
 # replica that holds it: the engine answers /health with its instance in this header
 # (server/api/app.py), and writes it into every response id it makes (server/api/serving_responses.py).
 INSTANCE_HEADER = "x-pagedserve-instance"
+
+# vLLM's pooling routes outside /v1/ (an embedding model's engine serves them, server/api/app.py): the
+# router proxies them as it does /v1/ routes, by load, without prefix affinity (router/proxy.py).
+POOLING_PATHS = ("/pooling", "/score", "/rerank", "/v2/rerank")
 INSTANCE_CHARS = 8  # hex digits
 RESPONSE_PREFIX = "resp_"
 

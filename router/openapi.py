@@ -14,6 +14,8 @@ import json
 from functools import cache
 from typing import Any
 
+from pagedserve.common.routing import POOLING_PATHS
+
 from pagedserve.version import __version__
 
 ERROR = {
@@ -106,6 +108,8 @@ def openapi_json() -> bytes:
                 "get": _proxied("Any other /v1 route, proxied to a replica.", None),
                 "post": _proxied("Any other /v1 route, proxied to a replica.", {}),
             },
+            **{path: {"post": _proxied("vLLM's pooling route, proxied to a replica.", {})}
+               for path in POOLING_PATHS},
             "/health": {
                 "get": {
                     "summary": "The router's liveness.",

@@ -1,4 +1,5 @@
-"""The router's HTTP front: a lean ASGI app (served by uvicorn) that proxies every ``/v1/*`` route.
+"""The router's HTTP front: a lean ASGI app (served by uvicorn) that proxies every ``/v1/*`` route (and
+vLLM's pooling routes outside it: common/routing.py ``POOLING_PATHS``).
 
 Per request: read the body; for ``/v1/chat/completions`` and ``/v1/completions`` under ``prefix-hash``
 or ``kv-events``, hash the prompt's blocks (and, under ``kv-events``, match its token ids against the
@@ -52,7 +53,7 @@ from typing import Any
 import httpx
 from pagedserve.common.disconnect import ClientDisconnected, run_unless_disconnected
 from pagedserve.common.errors import error_json_bytes as error_json
-from pagedserve.common.routing import instance_of_response
+from pagedserve.common.routing import POOLING_PATHS, instance_of_response
 from pagedserve.router.activator import Activator, HeldRequestRefused
 from pagedserve.router.adapters import (
     ADAPTER,
@@ -426,7 +427,7 @@ class RouterApp:
             path = scope["path"]
             if path == "/v1/models" and scope["method"] == "GET" and self._models_known():
                 await self.list_models(scope, receive, send)
-            elif path.startswith("/v1/"):
+            elif path.startswith("/v1/") or path in POOLING_PATHS:
                 await self.proxy(scope, receive, send)
             elif path == "/health":
                 body = json.dumps(

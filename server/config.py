@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from pagedserve.common.engine_args import GIB, EngineArgs
+from pagedserve.server.loader.pooler_config import parse_pooler_config
 from pagedserve.server.lora_request import LoRAModulePath
 from pagedserve.server.speculative_config import SpeculativeConfig
 
@@ -39,6 +40,7 @@ class EngineConfig(EngineArgs):
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.pooler_config = parse_pooler_config(self.pooler_config)
         self._parse_lora_modules()
         self._check_draft_model()
         if self.quantization is None:

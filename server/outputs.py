@@ -8,6 +8,9 @@ delta outputs back into a whole one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -67,6 +70,8 @@ class RequestOutput:
     # The gaps between the core's steps that gave this request tokens, since its last output (the core's
     # timestamps, so vllm:inter_token_latency_seconds does not depend on how late the API reads them)
     inter_token_latencies: list[float] = field(default_factory=list)
+    # A pooling request's vector (server/worker/pooler.py): its one output, with ``finished``
+    pooled: list[float] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (text, tokens and logprobs)."""
@@ -85,7 +90,37 @@ class RequestOutput:
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         self.num_cached_tokens = delta.num_cached_tokens
         self.finished = delta.finished
         self.metrics = delta.metrics
         self.inter_token_latencies.extend(delta.inter_token_latencies)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput(Generic[T]):
+    """vLLM's output of ``LLM.embed`` (``EmbeddingOutput``) and ``LLM.score`` (``ScoringOutput``)."""
+
+    request_id: str
+    outputs: T
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+EmbeddingRequestOutput = PoolingRequestOutput[EmbeddingOutput]
+ScoringRequestOutput = PoolingRequestOutput[ScoringOutput]

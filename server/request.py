@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.server.lora_request import LoRARequest
 from pagedserve.server.outputs import RequestMetrics
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float = 1.0
     spec_cooldown: int = 0
+    # A pooling request (server/pooling_params.py): its prompt runs, then one vector is its output instead
+    # of a sampled token (server/worker/pooler.py makes it; it finishes the request).
+    pooling: PoolingParams | None = None
+    pooling_sum: torch.Tensor | None = None  # MEAN: the sum of the prompt's hidden states computed so far
+    pooled: list[float] | None = None
 
     @property
     def lora_int_id(self) -> int:
@@ -89,6 +95,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Every prompt position must run: prompt logprobs still owed, or a pooling over every position."""
+        return self.needs_prompt_logprobs or (self.pooling is not None and self.pooling.reads_every_position)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -59,3 +59,49 @@ def tiny_checkpoint(config: Any, folder: Path, seed: int = 0) -> Any:
     hf.save_pretrained(folder)
     build_tiny_tokenizer(folder)
     return hf
+
+
+def tiny_embedding_checkpoint(folder: Path, pooling: str = "lasttoken", normalize: bool = True,
+                              base_model: bool = False, seed: int = 0, **config_fields: Any) -> Path:
+    """A tiny random Qwen3 saved as a sentence-transformers embedder: the checkpoint, the tiny tokenizer
+    (with a pad token, which batching needs), ``modules.json`` with a Pooling module of ``pooling``
+    (sentence-transformers' mode name: lasttoken, mean_tokens, cls_token) and a Normalize module when
+    ``normalize``. ``base_model``: saved as ``Qwen3Model`` (no LM head, names without ``model.``), as
+    gte-Qwen2 and e5-mistral are. ``config_fields`` go into the config (e.g. ``matryoshka_dimensions``)."""
+    import json
+
+    import torch
+    from transformers import AutoModel, AutoTokenizer, Qwen3Config
+
+    config = Qwen3Config(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                            "tie_word_embeddings": False, "architectures": ["Qwen3ForCausalLM"],
+                            **config_fields})  # fmt: skip
+    hf = random_hf_model(config, seed)
+    if base_model:
+        base = AutoModel.from_config(config, dtype=torch.float32)
+        base.load_state_dict(hf.model.state_dict())
+        base.config.architectures = ["Qwen3Model"]
+        base.save_pretrained(folder)
+    else:
+        hf.save_pretrained(folder)
+    build_tiny_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.save_pretrained(str(folder))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+             "lasttoken")
+    pooling_config = {f"pooling_mode_{mode}": mode == pooling for mode in modes}
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": config.hidden_size, **pooling_config, "include_prompt": True})
+    )
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}))
+    if normalize:
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    return folder

@@ -35,11 +35,15 @@ from pagedserve.server.api.protocol import (
     CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ModelPermission,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -51,6 +55,7 @@ from pagedserve.server.api.responses import UNSUPPORTED_RESPONSES_FIELDS, Respon
 from pagedserve.server.api.serving_base import dumps
 from pagedserve.server.api.serving_chat import OpenAIServingChat
 from pagedserve.server.api.serving_completion import OpenAIServingCompletion
+from pagedserve.server.api.serving_pooling import OpenAIServingPooling
 from pagedserve.server.api.serving_responses import OpenAIServingResponses
 from pagedserve.server.api.serving_tokenization import OpenAIServingTokenization
 from pagedserve.server.engine.gc_heap import freeze_startup_heap
@@ -127,6 +132,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     instance = new_instance()
     responses = OpenAIServingResponses(chat, instance)
     tokenization = OpenAIServingTokenization(*serving)
+    pooling = OpenAIServingPooling(*serving)
     auth_errors = (401,) if settings.api_key else ()
 
     @asynccontextmanager
@@ -279,6 +285,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.create_detokenize(request)
 
+    add_pooling_routes(app, pooling, _errors(400, *auth_errors, 404, 500, 503))
     app.include_router(kv_events_router, responses=_errors(*auth_errors))
 
     if settings.api_key:
@@ -286,6 +293,39 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware)  # outermost: it logs the 401s too
     return app
+
+
+def add_pooling_routes(app: FastAPI, pooling: OpenAIServingPooling, errors: dict[int | str, Any]) -> None:
+    """The pooling runner's endpoints, at vLLM's paths (score and rerank under each of its prefixes). On a
+    generating model each answers a 400 that names the runner it needs."""
+
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return _json(await pooling.create_embedding(request, raw_request))
+
+    async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+        return _json(await pooling.create_pooling(request, raw_request))
+
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+        return _json(await pooling.create_score(request, raw_request))
+
+    async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return _json(await pooling.create_rerank(request, raw_request))
+
+    routes = [
+        (("/v1/embeddings",), create_embedding, "An OpenAI embedding list"),
+        (("/pooling",), create_pooling, "vLLM's pooling list: each input's pooled vector"),
+        (("/score", "/v1/score"), create_score, "The cosine similarity of each text pair's embeddings"),
+        (("/rerank", "/v1/rerank", "/v2/rerank"), create_rerank,
+         "The documents by the cosine similarity of their embeddings to the query's"),
+    ]
+    for paths, endpoint, description in routes:
+        for path in paths:
+            app.add_api_route(path, endpoint, methods=["POST"], response_model=None,
+                              responses={200: {"description": description}, **errors})
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(dumps(body), media_type="application/json")
 
 
 def add_lora_routes(

@@ -776,6 +776,43 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
+# ------------------------------------------------------------------------------------------- pooling
+# The pooling runner's endpoints (server/api/serving_pooling.py): OpenAI's /v1/embeddings, vLLM's /pooling,
+# /score and /rerank. ``input`` takes what OpenAI's does: a text, texts, token ids, or lists of token ids.
+PoolingInput = Text | list[Text] | list[int] | list[list[int]]
+
+
+class _PoolingFields(RequestModel):
+    model: Text | None = None
+    # vLLM's: keep the prompt's last N tokens (-1: up to max_model_len); without it a longer prompt is a 400
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_special_tokens: bool = True
+    user: Text | None = None
+
+
+class EmbeddingRequest(_PoolingFields):
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    normalize: bool | None = None  # vLLM's extra: None keeps the model's choice
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: the same input, the raw pooled vector as ``data``."""
+
+
+class ScoreRequest(_PoolingFields):
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+
+
+class RerankRequest(_PoolingFields):
+    query: Text
+    documents: list[Text]
+    top_n: Annotated[int, Field(ge=0)] | None = None  # None or 0: every document
+    return_documents: bool = True
+
+
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     """vLLM's POST /v1/load_lora_adapter body: a name for the API's ``model`` and a PEFT folder or HF id."""
 

@@ -39,6 +39,7 @@ from pagedserve.server.engine.protocol import EngineClient, RequestStream
 from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.lora_request import LoRARequest
 from pagedserve.server.outputs import CompletionOutput, RequestOutput
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -190,12 +191,16 @@ class OpenAIServing:
         """What a response's ``model`` says: the adapter's name, or the base model's (vLLM's)."""
         return lora.lora_name if lora is not None else self.model_name
 
-    def check_request(self, request: Any) -> None:
-        """What only the OpenAI API has; the engine checks the prompt, limits and parameters itself."""
-        if self.stop.draining:  # a 503 before any work: the router retries it on another replica
+    def check_serving(self) -> None:
+        """A 503 before any work while draining (the router retries it on another replica) or dead."""
+        if self.stop.draining:
             raise APIError("The server is shutting down.", 503)
         if not self.engine.is_healthy():
             raise APIError("The engine is not running.", 503)
+
+    def check_request(self, request: Any) -> None:
+        """What only the OpenAI API has; the engine checks the prompt, limits and parameters itself."""
+        self.check_serving()
         if request.use_beam_search:
             raise APIError("use_beam_search is not supported.", 400, param="use_beam_search")
         if request.best_of is not None and request.best_of != request.n:
@@ -309,16 +314,17 @@ class OpenAIServing:
     async def add_requests(
         self,
         prompts: list[dict[str, Any]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt_param: str,
         request: Any,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
-        """One engine request per prompt (a prompt dict, with the request's ``cache_salt`` added), all
-        checked before any response starts, each run with ``lora_request`` (None: the base model); a
-        refusal is a 400 (and closes, so aborts, the requests of this call already added)."""
+        """One engine request per prompt (a prompt dict, with ``cache_salt`` added), all checked before
+        any response starts, each run with ``lora_request`` (None: the base model); a refusal is a 400
+        (and closes, so aborts, the requests of this call already added)."""
         streams: list[RequestStream] = []
-        salt = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
+        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         try:
             for prompt in prompts:
                 streams.append(

@@ -106,7 +106,8 @@ class OpenAIServingChat(OpenAIServing):
         if tool_parser is not None and tool_parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads the call markers
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        (engine_stream,) = await self.add_requests([prompt], params, "messages", request, lora)
+        (engine_stream,) = await self.add_requests([prompt], params, "messages", request, lora,
+                                                   request.cache_salt)
         tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
         stream = self.observed(engine_stream, tracker)
         return ChatRun(stream, tool_parser, len(prompt_ids), self.response_model(lora))

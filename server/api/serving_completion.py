@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=request.logprobs if request.echo else None,
         )
         engine_streams = await self.add_requests(
-            [p.engine_input() for p in prompts], params, "prompt", request, lora
+            [p.engine_input() for p in prompts], params, "prompt", request, lora, request.cache_salt
         )
         streams = [
             self.observed(s, self.metrics.track(len(s.prompt_token_ids), s.max_tokens, request.n))

@@ -100,7 +100,7 @@ class KVCacheManager:
         the null block stands for those before it. A block found only in the host tier is a ``HostHit``:
         ``allocate`` gives it a device block and plans its load. Nothing changes until ``allocate``.
         """
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching or request.skips_prefix_cache:
             return []
         hashes = self._full_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -9,7 +9,8 @@ planned while allocating, travel with the batch as ``kv_transfers``.
 
 After the step ran, ``update_from_output`` applies what it sampled (vLLM V1's Scheduler does both): each
 request's tokens are appended through the stops (server/core/stops.py), a grammar takes each token first,
-finished requests leave with their blocks, and the token counters the metrics report advance.
+a pooling request whose prompt ended finishes with its vector, finished requests leave with their blocks,
+and the token counters the metrics report advance.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _runs_ahead(item: ScheduledRequest) -> bool:
         and item.completes_sequence
         and request.grammar is None
         and request.prompt_logprobs is None
+        and request.pooling is None
         and not request.params.reads_own_output
     )
 
@@ -291,6 +293,10 @@ class Scheduler:
         dropped. Accepted drafts count as computed (their KV was written while verifying them)."""
         if not request.output_token_ids:
             self.prompt_tokens += len(request.prompt_token_ids)
+        if request.pooling is not None:  # its vector is its output (server/worker/pooler.py): done
+            request.metrics.first_token_time = request.metrics.last_token_time = now
+            request.status = RequestStatus.FINISHED_STOPPED
+            return []
         if len(tokens) == 1 and request.grammar is None:  # most rows: one token, no grammar to consult
             self.generation_tokens += 1
             append_token(request, tokens[0].token_id, now, self.max_model_len)

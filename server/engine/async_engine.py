@@ -34,6 +34,7 @@ from pagedserve.server.engine.processor import (
 from pagedserve.server.exceptions import EngineDeadError, StepError
 from pagedserve.server.lora_request import LoRARequest
 from pagedserve.server.outputs import RequestOutput
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -214,12 +215,12 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
-        if params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # A first compile may take up to its deadline (server/structured_output/compiler.py): done off
             # the loop, so other streams keep flowing; process() below then finds it in the cache. Only the
             # compile moves: tokenizing stays on the loop, the one thread that uses the HF tokenizer.

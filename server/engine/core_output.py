@@ -72,6 +72,7 @@ class EngineCoreOutput:
     # When the step gave these tokens (``metrics`` is the request's own object in-process, which a core
     # on a thread may have moved on by the time the front end reads it)
     token_time: float | None = None
+    pooled: list[float] | None = None  # a pooling request's vector, with its finish (server/worker/pooler.py)
 
 
 def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOutput:
@@ -87,4 +88,5 @@ def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOut
         # Complete once the first token is sampled, and sent with it, once.
         prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == len(appended) else None,
         token_time=request.metrics.last_token_time,
+        pooled=request.pooled,
     )

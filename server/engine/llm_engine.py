@@ -17,6 +17,7 @@ from pagedserve.server.engine.processor import ProcessedRequest, PromptInput, lo
 from pagedserve.server.exceptions import StepError
 from pagedserve.server.lora_request import LoRARequest
 from pagedserve.server.outputs import RequestOutput
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import SamplingParams
 
 
@@ -35,7 +36,7 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.processor.vocab_size
 
-    def process_inputs(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+    def process_inputs(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                        arrival_time: float | None = None,
                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Check one request (raises InvalidRequestError, a ValueError); queues nothing."""
@@ -60,7 +61,7 @@ class LLMEngine:
         for child in request.children:
             self.core.add_request(child)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         self.add(self.process_inputs(request_id, prompt, params, arrival_time, lora_request))
 

@@ -56,6 +56,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
     inter_token_latencies: list[float] = field(default_factory=list)  # not yet in an output
+    pooled: list[float] | None = None  # a pooling request's vector
 
     @property
     def finished(self) -> bool:
@@ -142,6 +143,8 @@ class OutputProcessor:
                 state.num_cached_tokens = core_output.num_cached_tokens
             if core_output.prompt_logprobs is not None:
                 state.prompt_logprobs = [None, *map(self._logprob_entry, core_output.prompt_logprobs)]
+            if core_output.pooled is not None:
+                state.pooled = core_output.pooled
             self._time_tokens(state, sample, core_output)
             if self._update(sample, core_output, state.params) and core_output.finish_reason is None:
                 to_abort.append(core_output.request_id)
@@ -245,6 +248,7 @@ class OutputProcessor:
             metrics=samples[0].metrics,
             prompt_logprobs=prompt_logprobs,
             inter_token_latencies=self._take_latencies(state),
+            pooled=state.pooled,
         )
 
     @staticmethod

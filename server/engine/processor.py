@@ -4,7 +4,9 @@
 in the vocabulary, length vs max_model_len, n vs max_num_seqs), resolves max_tokens by vLLM's rule,
 compiles ``structured_outputs`` (server/structured_output/compiler.py: cached, bounded in time), checks
 that a request's LoRA adapter is loaded (the adapters' registry of the front end lives here) and
-makes one core Request per sample, each with its own grammar matcher. A refusal is an
+makes one core Request per sample, each with its own grammar matcher. A pooling request (``PoolingParams``)
+becomes one core Request whose params are the model's pooler (server/loader/pooler_config.py) with the
+request's choices over it; each runner takes only its own kind of request. A refusal is an
 ``InvalidRequestError`` naming the field: the offline LLM lets it raise, the server turns it into an
 OpenAI 400 (server/api/serving_base.py).
 """
@@ -15,7 +17,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +25,14 @@ from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.loader.generation_config import sampling_defaults
 from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from pagedserve.server.outputs import RequestMetrics
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.request import Request
-from pagedserve.server.sampling_params import SamplingParams
+from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.server.config import EngineConfig
     from pagedserve.server.engine.core import EngineCore
+    from pagedserve.server.loader.pooler_config import PoolerConfig
     from pagedserve.server.structured_output.compiler import CompiledGrammar, GrammarCompiler
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -37,6 +41,8 @@ PromptInput = str | list[int] | dict[str, Any]
 UNSET_IS_DEFAULT = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 )
+# A pooling request's core params: it samples nothing, and its one output comes when it has finished.
+POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass
@@ -46,7 +52,7 @@ class ProcessedRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # a pooling request's: POOLING_SAMPLING
     max_tokens: int
     children: list[Request]
 
@@ -62,8 +68,12 @@ class Processor:
         generation_defaults: dict[str, Any] | None = None,
         enable_lora: bool = False,
         lora_requests: list[LoRARequest] | None = None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
+        """``pooler``: the model's, under the pooling runner (which takes only pooling requests); None under
+        the generate runner."""
         self.tokenizer = tokenizer
+        self.pooler = pooler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -153,13 +163,21 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
+        self._check_runner(params)
         self._check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         cache_salt = self._cache_salt(prompt)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        if isinstance(params, PoolingParams):
+            self._check_prompt(token_ids, room=0)
+            request = Request(request_id, token_ids, POOLING_SAMPLING, 1, frozenset(),
+                              RequestMetrics(arrival), cache_salt=cache_salt, lora_request=lora_request,
+                              pooling=self._pooling(params))
+            return ProcessedRequest(request_id, text, token_ids, POOLING_SAMPLING, 1, [request])
         self._check_prompt(token_ids)
         max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
         self._check_token_ids("logit_bias", params.logit_bias or {})
@@ -172,7 +190,6 @@ class Processor:
             )
         grammar = self._compile_grammar(params)
         gate = params.structured_outputs.think_gate if params.structured_outputs is not None else None
-        arrival = arrival_time if arrival_time is not None else time.time()
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         children = [
             Request(
@@ -193,6 +210,37 @@ class Processor:
             for index in range(params.n)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, max_tokens, children)
+
+    def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        if isinstance(params, PoolingParams) and self.pooler is None:
+            raise InvalidRequestError("This model runs the generate runner: it does not pool (embeddings, "
+                                      "scores); start it with --runner pooling for that.", param="model")
+        if isinstance(params, SamplingParams) and self.pooler is not None:
+            raise InvalidRequestError("This model runs the pooling runner: it serves embeddings, pooling, "
+                                      "scores and reranking, not generation.", param="model")
+
+    def _pooling(self, params: PoolingParams) -> PoolingParams:
+        """The request's choices over the model's pooler; ``dimensions`` only where the model was trained
+        for it (Matryoshka), as vLLM checks."""
+        pooler = self.pooler
+        assert pooler is not None
+        dimensions = params.dimensions
+        if dimensions is not None:
+            allowed = pooler.matryoshka_dimensions
+            if allowed is None:
+                raise InvalidRequestError(
+                    "This model does not support matryoshka representation: changing its output dimensions "
+                    "would give poor results.", param="dimensions",
+                )
+            if (allowed and dimensions not in allowed) or dimensions > pooler.hidden_size:
+                choices = ", ".join(map(str, allowed)) if allowed else f"1 to {pooler.hidden_size}"
+                raise InvalidRequestError(f"dimensions must be one of {choices}, got {dimensions}.",
+                                          param="dimensions")
+        return replace(
+            params,
+            pooling_type=params.pooling_type or pooler.pooling_type,
+            normalize=pooler.normalize if params.normalize is None else params.normalize,
+        )
 
     def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """The request's grammar, compiled once for all its samples; refusals name the field."""
@@ -219,13 +267,20 @@ class Processor:
             raise InvalidRequestError("cache_salt must be a non-empty string.", param="cache_salt")
         return salt
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def _check_prompt(self, token_ids: list[int], room: int = 1) -> None:
+        """``room``: tokens the request needs after its prompt (a pooling request none)."""
         limit = self.max_model_len
         if not token_ids:
             raise InvalidRequestError("The prompt must not be empty.", param="prompt")
         if any(t < 0 or t >= self.vocab_size for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}).", param="prompt")
-        if len(token_ids) >= limit:
+        if not room and len(token_ids) > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {limit} tokens. However, your "
+                f"request has {len(token_ids)} input tokens. Please reduce the length of the input.",
+                param="prompt", code="context_length_exceeded",
+            )
+        if room and len(token_ids) >= limit:
             raise InvalidRequestError(
                 f"This model's maximum context length (max_model_len) is {limit} tokens. However, your "
                 f"request has {len(token_ids)} input tokens, which leaves no room for a completion. Please "
@@ -306,4 +361,15 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         sampling_defaults(core.model_path, config.generation_config),
         enable_lora=config.enable_lora,
         lora_requests=core.list_loras(),
+        pooler=load_pooler(config, core.model_path),
     )
+
+
+def load_pooler(config: EngineConfig, model_path: Path) -> PoolerConfig | None:
+    """The model's pooler under the pooling runner (``config.runner`` as the core resolved it), else None."""
+    if config.runner != "pooling":
+        return None
+    from pagedserve.server.loader import load_config
+    from pagedserve.server.loader.pooler_config import load_pooler_config
+
+    return load_pooler_config(model_path, load_config(model_path), config.pooler_config)

@@ -13,6 +13,7 @@ from pagedserve.server.engine.core_output import EngineStats
 from pagedserve.server.engine.processor import PromptInput
 from pagedserve.server.lora_request import LoRARequest
 from pagedserve.server.outputs import RequestOutput
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # config.py imports torch; the API layer does not need it at run time
@@ -65,10 +66,11 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Check the request (InvalidRequestError, naming the field) and queue it; its output stream.
+        """Check the request (InvalidRequestError, naming the field) and queue it; its output stream
+        (a pooling request's: one output, with ``RequestOutput.pooled``).
         ``lora_request``: the loaded adapter it runs with (``list_loras``), None for the base model."""
         ...
 

@@ -1,4 +1,5 @@
-"""Offline API with vLLM's names: ``LLM(model).generate(prompts, sampling_params)`` and ``.chat``."""
+"""Offline API with vLLM's names: ``LLM(model).generate(prompts, sampling_params)`` and ``.chat``; under
+the pooling runner ``.embed(prompts)`` and ``.score(text_1, text_2)``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ from pagedserve.server.config import EngineConfig
 from pagedserve.server.engine.llm_engine import LLMEngine
 from pagedserve.server.engine.processor import PromptInput
 from pagedserve.server.lora_request import LoRARequest
-from pagedserve.server.outputs import RequestOutput
+from pagedserve.server.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.server.scoring import cosine_similarity, score_pairs
 from tqdm.auto import tqdm
 
 Message = dict[str, Any]
@@ -77,6 +87,49 @@ class LLM:
         for parent in parents:
             self.engine.add(parent)
         return self._run([p.request_id for p in parents], use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (the pooling runner; vLLM's ``LLM.embed``)."""
+        prompt_list = _as_prompt_list(prompts)
+        loras = self._lora_requests(lora_request, len(prompt_list))
+        params = pooling_params or PoolingParams()
+        parents = [
+            self.engine.process_inputs(str(next(self._ids)), prompt, params, None, lora)
+            for prompt, lora in zip(prompt_list, loras, strict=True)
+        ]
+        for parent in parents:
+            self.engine.add(parent)
+        return [
+            PoolingRequestOutput(o.request_id, EmbeddingOutput(o.pooled or []), o.prompt_token_ids,
+                                 o.finished)
+            for o in self._run([p.request_id for p in parents], use_tqdm)
+        ]
+
+    def score(
+        self,
+        text_1: PromptInput | Sequence[PromptInput],
+        text_2: PromptInput | Sequence[PromptInput],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings (vLLM's ``LLM.score`` for an embedding model):
+        one ``text_1`` against every ``text_2``, or the two lists pairwise."""
+        firsts, seconds = _as_prompt_list(text_1), _as_prompt_list(text_2)
+        pairs = score_pairs(range(len(firsts)), range(len(seconds)))
+        embedded = self.embed(firsts + seconds, use_tqdm=use_tqdm, lora_request=lora_request)
+        outputs: list[ScoringRequestOutput] = []
+        for i, j in pairs:
+            a, b = embedded[i], embedded[len(firsts) + j]
+            score = cosine_similarity(a.outputs.embedding, b.outputs.embedding)
+            outputs.append(PoolingRequestOutput(f"score-{a.request_id}-{b.request_id}", ScoringOutput(score),
+                                                a.prompt_token_ids + b.prompt_token_ids))
+        return outputs
 
     def _lora_requests(
         self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int

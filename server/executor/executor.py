@@ -35,11 +35,14 @@ class Executor:
     def __init__(self, config: EngineConfig) -> None:
         """Weights, the KV cache size that fits beside them, max_model_len, and the model runner; under
         tensor parallelism the other ranks first (each loads its own shard meanwhile)."""
-        from pagedserve.server.loader import resolve_model
+        from pagedserve.server.loader import load_config, resolve_model
+        from pagedserve.server.loader.pooler_config import resolve_runner
 
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.model_path = Path(resolve_model(config.model))
+        # What runs, resolved: the front end's processor and /version read it back from the config
+        config.runner = resolve_runner(config.runner, self.model_path, load_config(self.model_path))
         self.kv_cache_dtype = config.torch_kv_cache_dtype
         self.backend = select_backend(self.device, self.dtype, config.attention_backend, self.kv_cache_dtype)
         config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
@@ -73,7 +76,8 @@ class Executor:
 
         check_tensor_parallel(load_config(self.model_path), size)
         spec = dict(model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type,
-                    backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, seed=self.config.seed)
+                    backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, seed=self.config.seed,
+                    runner=self.config.runner)
         return TPDriver.start(spec, size)
 
     def _load_shard_and_runner(self) -> None:
@@ -83,7 +87,7 @@ class Executor:
         config = self.config
         self.model, self.hf_config = load_model(
             self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization,
-            tp=self.ranks.tp if self.ranks is not None else None,
+            tp=self.ranks.tp if self.ranks is not None else None, runner=config.runner,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.lora = self._make_lora_manager()
@@ -116,7 +120,9 @@ class Executor:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len or 0,
             # CUDA graphs do not capture the ranks' commands: tensor parallelism runs eagerly, for now.
-            enforce_eager=config.enforce_eager or self.lora is not None or self.ranks is not None,
+            # A pooling runner never decodes, so it has no graph to replay.
+            enforce_eager=(config.enforce_eager or self.lora is not None or self.ranks is not None
+                           or config.runner == "pooling"),
             calculate_kv_scales=config.calculate_kv_scales,
             lora=self.lora,
             ranks=self.ranks,

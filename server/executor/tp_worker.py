@@ -40,6 +40,7 @@ class WorkerSpec:
     size: int
     init_method: str  # tcp://127.0.0.1:PORT, rank 0's store
     timeout_s: float
+    runner: str = "generate"  # "pooling": no LM head (server/loader/weights.py load_model)
 
 
 @dataclass
@@ -136,7 +137,7 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel) -> None:
 
     device = rank_device(spec.device_type, rank)
     backend = select_backend(device, spec.dtype, spec.backend, spec.kv_cache_dtype)
-    model, _ = load_model(spec.model_path, spec.dtype, device, backend=backend, tp=tp)
+    model, _ = load_model(spec.model_path, spec.dtype, device, backend=backend, tp=tp, runner=spec.runner)
     logger.info("rank %d of %d loaded its shard on %s", rank, spec.size, device)
     runner: ModelRunner | None = None
     while True:

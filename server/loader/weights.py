@@ -53,6 +53,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     tp: TensorParallel | None = None,
+    runner: str = "generate",
 ) -> tuple[nn.Module, Any]:
     """Build the model for the folder's config on ``device``, running ``backend``'s kernels
     (server/backend.py), and load its weights: ``(model, hf_config)``.
@@ -62,7 +63,8 @@ def load_model(
     model). ``tp``: this rank's place under tensor parallelism (server/distributed/): the model holds
     only its shard, cut from each checkpoint tensor as it is read. ``load_format="dummy"`` skips the
     checkpoint and fills the weights with small random values (for benchmarks of large shapes from a
-    config.json alone). The model is in eval mode; call it under
+    config.json alone). ``runner="pooling"``: the model without its LM head, whose weights an embedding
+    checkpoint may not ship and which no pooled vector reads. The model is in eval mode; call it under
     ``torch.inference_mode()``.
     """
     from pagedserve.server.distributed.parallel_state import SINGLE, building
@@ -75,6 +77,8 @@ def load_model(
     check_tensor_parallel(hf_config, tp.size)
     with building(tp):
         model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
+    if runner == "pooling":
+        model.lm_head = None  # its checkpoint tensor, if any, is skipped as a tied model's is
     quantize_linears(model, quantization, backend.kernels)
     if load_format == "dummy":
         initialize_dummy_weights(model)

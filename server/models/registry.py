@@ -1,5 +1,8 @@
 """Model classes by the ``architectures`` entry of a Hugging Face config.
 
+A family's base-model architecture (``Qwen3Model``, ``MistralModel``: the decoder without its LM head, as
+embedding checkpoints such as gte-Qwen2 and e5-mistral are saved) runs on the same class under the
+pooling runner only (``BASE_MODEL_ARCHITECTURES``; ``is_base_model``).
 ``supported_architectures()`` is the one list the server shows (``/version``, ``pagedserve serve --help``)
 and docs/models.md's table follows (tests/models/test_registry.py).
 """
@@ -37,9 +40,22 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
+# Each family's decoder without its head: ``<Family>Model`` in Transformers (Gemma 3's text decoder is
+# ``Gemma3TextModel``). Pooling only: there is no LM head to sample from.
+BASE_MODEL_ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+    ("Gemma3TextModel" if name == "Gemma3ForCausalLM" else name.removesuffix("ForCausalLM") + "Model"): cls
+    for name, cls in MODEL_REGISTRY.items()
+}
+
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
+
+
+def is_base_model(hf_config: Any) -> bool:
+    """The config names a base-model architecture (no LM head), which only the pooling runner runs."""
+    name = check_architectures(list(getattr(hf_config, "architectures", None) or []))
+    return name in BASE_MODEL_ARCHITECTURES
 
 
 def check_architectures(names: list[str]) -> str:
@@ -47,17 +63,19 @@ def check_architectures(names: list[str]) -> str:
     supported list otherwise. Called before any weights are read, downloaded or converted
     (server/loader/resolve.py, server/loader/weights.py)."""
     for name in names:
-        if name in MODEL_REGISTRY:
+        if name in MODEL_REGISTRY or name in BASE_MODEL_ARCHITECTURES:
             return name
     raise ValueError(
         f"unsupported model architecture {names or '(none given in config.json)'}; "
-        f"supported: {', '.join(supported_architectures())}"
+        f"supported: {', '.join(supported_architectures())} (and, for the pooling runner, each one's base "
+        "model: LlamaModel, Qwen3Model, ...)"
     )
 
 
 def get_model_class(hf_config: Any) -> type[DecoderForCausalLM]:
     """The class for the first supported name in ``hf_config.architectures``; ValueError otherwise."""
-    return MODEL_REGISTRY[check_architectures(list(getattr(hf_config, "architectures", None) or []))]
+    name = check_architectures(list(getattr(hf_config, "architectures", None) or []))
+    return MODEL_REGISTRY.get(name) or BASE_MODEL_ARCHITECTURES[name]
 
 
 def build_model(

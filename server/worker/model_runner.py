@@ -37,6 +37,7 @@ from pagedserve.server.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.server.structured_output.bitmask import fill_grammar_bitmask
 from pagedserve.server.worker.block_table import BlockTable
 from pagedserve.server.worker.cuda_graphs import DecodeGraphs
+from pagedserve.server.worker.pooler import PoolingRows, pool
 from pagedserve.server.worker.prompt_logprobs import (
     PromptLogprobRows,
     prompt_logprob_rows,
@@ -79,6 +80,7 @@ class StepInputs:
     ordered: list[ScheduledRequest] = field(default_factory=list)  # the batch's order: decodes, prefills
     # A sampling draft model's distributions per request id (server/spec_decode/draft_model.py)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    pooling_rows: list[PoolingRows] = field(default_factory=list)  # pooling requests' chunks
 
 StepResult = list[tuple[Request, list[SampledToken] | Exception]]
 
@@ -92,6 +94,8 @@ class LaunchedStep:
     sampled_requests: list[Request]
     sample: LaunchedSample | None
     spec_results: StepResult = field(default_factory=list)  # verified drafts: on the host already
+    # Pooling requests whose prompt ended this step, and their vectors (on the device until ``result``)
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
     @property
     def device_token_ids(self) -> torch.Tensor | None:
@@ -102,12 +106,16 @@ class LaunchedStep:
         return {r.request_id: row for row, r in enumerate(self.sampled_requests)}
 
     def result(self) -> StepResult:
-        """Each sampled request's new tokens, or the exception its row alone raised."""
+        """Each sampled request's new tokens, or the exception its row alone raised; a pooling request
+        whose prompt ended gets no token, its vector in ``Request.pooled``."""
         results: StepResult = []
         if self.sample is not None:
             sampled = self.sample.result(self.sampled_requests)
             results = [(r, t if isinstance(t, Exception) else [t])
                        for r, t in zip(self.sampled_requests, sampled, strict=True)]
+        for request, vector in self.pooled:
+            request.pooled = vector.tolist()
+            results.append((request, []))
         return results + self.spec_results
 
 
@@ -240,6 +248,9 @@ class ModelRunner:
         for rows in inputs.prompt_logprob_rows:
             record_prompt_logprobs(self.compute_logits, hidden, rows)
         launched = LaunchedStep(inputs.sampled_requests, None)
+        for rows in inputs.pooling_rows:
+            if (vector := pool(hidden, rows)) is not None:
+                launched.pooled.append((rows.request, vector))
         if inputs.sampled_requests:
             logits = self.compute_logits(hidden.index_select(0, inputs.sample_indices))
             launched.sample = launch_sample(logits, inputs.sampled_requests, grammar)
@@ -320,12 +331,14 @@ class ModelRunner:
         spec_indices: list[int] = []
         spec_requests: list[ScheduledRequest] = []
         prompt_rows: list[PromptLogprobRows] = []
+        pooling: list[PoolingRows] = []
         in_flight_rows: list[int] = []  # rows whose token ``previous`` is sampling, and their requests
         in_flight_ids: list[str] = []
         num_decode_items = len(decodes)
         for index, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens + item.num_in_flight
-            if item.num_new_tokens == 1 and not item.spec_token_ids and request.prompt_logprobs is None:
+            if (item.num_new_tokens == 1 and not item.spec_token_ids and request.prompt_logprobs is None
+                    and request.pooling is None):
                 # One token and nothing else to do: most rows of a step, so kept to the bare appends.
                 rows.append(len(table_items))
                 table_items.append(index)
@@ -355,6 +368,8 @@ class ModelRunner:
                 context_lens.append(end)
             if (wanted := prompt_logprob_rows(request, len(token_ids), start, end)) is not None:
                 prompt_rows.append(wanted)
+            if request.pooling is not None:
+                pooling.append(PoolingRows(request, len(token_ids), start, end - start))
             num_drafts = len(item.spec_token_ids)
             token_ids.extend(request.token_slice(start, end - num_drafts))
             token_ids.extend(item.spec_token_ids)
@@ -362,7 +377,7 @@ class ModelRunner:
             if num_drafts:
                 spec_indices.extend(range(len(token_ids) - num_drafts - 1, len(token_ids)))
                 spec_requests.append(item)
-            elif item.completes_sequence:
+            elif item.completes_sequence and request.pooling is None:
                 sample_indices.append(len(token_ids) - 1)
                 sampled.append(request)
         # Each row's and each token's row of the persistent table (server/worker/block_table.py)
@@ -398,6 +413,7 @@ class ModelRunner:
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,
+            pooling_rows=pooling,
             spec_indices=spec_indices,
             spec_requests=spec_requests,
             ordered=ordered,
