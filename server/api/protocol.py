@@ -52,7 +52,6 @@ UNSUPPORTED_FIELDS = {
     "prompt_embeds": "prompts are text or token ids",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "media_io_kwargs": "multimodal inputs are not supported",
-    "reasoning_effort": "the effort of a reasoning model cannot be set here",
     "logits_processors": "custom logits processors are not supported",
     "return_tokens_as_token_ids": "not implemented",
     "return_token_ids": "not implemented",
@@ -415,6 +414,9 @@ class ChatCompletionNamedToolChoiceParam(RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatTemplateFields(RequestModel):
     """A conversation and how to render it with the chat template: /v1/chat/completions and /tokenize."""
 
@@ -427,6 +429,9 @@ class ChatTemplateFields(RequestModel):
     add_special_tokens: bool = False
     chat_template: Text | None = Field(None, description="needs --trust-request-chat-template")
     chat_template_kwargs: JSONObject | None = None
+    # OpenAI's effort values; the chat template reads it as ``reasoning_effort`` (gpt-oss's does), as vLLM
+    # passes it: a template that does not read it ignores it, as such a model would.
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, _StructuredOutputFields, ChatTemplateFields):

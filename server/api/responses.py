@@ -15,7 +15,7 @@ import uuid
 from typing import Any, ClassVar, Literal
 
 from pagedserve.common.errors import APIError
-from pagedserve.server.api.protocol import JSONSchema, PromptCacheOptions, RequestModel, Text
+from pagedserve.server.api.protocol import JSONSchema, PromptCacheOptions, ReasoningEffort, RequestModel, Text
 from pydantic import Field, field_validator
 
 # Fields of OpenAI's Responses request this server does not implement, and why: each one a 400 naming it.
@@ -62,9 +62,9 @@ class TextOptions(RequestModel):
 
 
 class ReasoningOptions(RequestModel):
-    """Only what a model of this kind takes: effort and summary are not settable here."""
+    """``effort`` reaches the chat template as chat's ``reasoning_effort`` does; no summary is made."""
 
-    effort: None = None
+    effort: ReasoningEffort | None = None
     summary: None = None
 
 
@@ -184,6 +184,7 @@ def chat_request_body(request: ResponsesRequest, history: list[dict[str, Any]]) 
         "temperature": request.temperature,
         "top_p": request.top_p,
         "parallel_tool_calls": request.parallel_tool_calls,
+        "reasoning_effort": request.reasoning.effort if request.reasoning is not None else None,
     }
     if request.tools:
         body["tools"] = [

@@ -250,6 +250,8 @@ class OpenAIServing:
             )
         conversation = [_message_dict(m) for m in request.messages]
         kwargs = request.chat_template_kwargs or {}
+        if request.reasoning_effort is not None:  # chat_template_kwargs may set it too, and wins
+            kwargs = {"reasoning_effort": request.reasoning_effort, **kwargs}
         try:
             prompt = await self.templates.render_async(
                 conversation,

@@ -190,3 +190,22 @@ async def test_a_json_schema_holds_for_the_answer_after_free_reasoning(thinking_
                         "".join(d.get("content") or "" for d in deltas))  # fmt: skip
             assert streamed == (reasonings[-1], message["content"])
     assert sum(1 for r in reasonings if r) >= 3, reasonings  # free reasoning came first in most
+
+
+async def test_reasoning_effort_reaches_the_chat_template(engine: FakeEngine) -> None:
+    """As vLLM passes it: the template's ``reasoning_effort``, which chat_template_kwargs may override; the
+    Responses API's reasoning.effort becomes the chat request's."""
+    from pagedserve.server.api.responses import ResponsesRequest, chat_request_body
+
+    template = "effort={{ reasoning_effort | default('unset') }}"
+    async with await app_client(engine, trust_request_chat_template=True) as http:
+        overridden = {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+        for extra, expected in (({}, "unset"), ({"reasoning_effort": "low"}, "low"), (overridden, "high")):
+            body = {"messages": MSGS, "chat_template": template, "add_generation_prompt": False, **extra}
+            response = await http.post("/tokenize", json=body)
+            assert response.status_code == 200, response.text
+            assert engine.tokenizer.decode(response.json()["tokens"]) == f"effort={expected}"
+        bad = await http.post("/v1/chat/completions", json={"messages": MSGS, "reasoning_effort": "extreme"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+    request = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "medium"}})
+    assert chat_request_body(request, [])["reasoning_effort"] == "medium"
