@@ -210,7 +210,14 @@ def request_rows(model: Any) -> list[str]:
 
 
 def request_fields_page() -> str:
-    from pagedserve.server.api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+    from pagedserve.server.api.protocol import (
+        UNSUPPORTED_FIELDS,
+        ChatCompletionRequest,
+        CompletionRequest,
+        EmbeddingRequest,
+        RerankRequest,
+        ScoreRequest,
+    )
     from pagedserve.server.api.responses import UNSUPPORTED_RESPONSES_FIELDS, ResponsesRequest
 
     refused = [f"| `{name}` | {cell(why)} |" for name, why in UNSUPPORTED_FIELDS.items()]
@@ -219,9 +226,9 @@ def request_fields_page() -> str:
     return "\n".join([
         HEADER,
         "# Request fields\n",
-        "The fields `/v1/chat/completions`, `/v1/completions` and `/v1/responses` take, from the request "
-        "models (`server/api/protocol.py`, `server/api/responses.py`): OpenAI's and vLLM's names. Any other "
-        "field is a 400 naming it.\n",
+        "The fields `/v1/chat/completions`, `/v1/completions`, `/v1/responses` and the pooling endpoints "
+        "take, from the request models (`server/api/protocol.py`, `server/api/responses.py`): OpenAI's and "
+        "vLLM's names. Any other field is a 400 naming it.\n",
         "## `POST /v1/chat/completions`\n",
         *table,
         *request_rows(ChatCompletionRequest),
@@ -238,6 +245,19 @@ def request_fields_page() -> str:
         "| field | why |",
         "| --- | --- |",
         *refused_responses,
+        "",
+        "## `POST /v1/embeddings` and `POST /pooling`\n",
+        "Under `--runner pooling` ([the API](../api.md#embedding-models)).\n",
+        *table,
+        *request_rows(EmbeddingRequest),
+        "",
+        "## `POST /score`\n",
+        *table,
+        *request_rows(ScoreRequest),
+        "",
+        "## `POST /rerank`\n",
+        *table,
+        *request_rows(RerankRequest),
         "",
         "## Not implemented in chat and completions\n",
         "Fields of OpenAI's or vLLM's requests that this server does not implement. Each is a 400 that names "

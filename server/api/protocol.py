@@ -789,17 +789,22 @@ PoolingInput = Text | list[Text] | list[int] | list[list[int]]
 
 class _PoolingFields(RequestModel):
     model: Text | None = None
-    # vLLM's: keep the prompt's last N tokens (-1: up to max_model_len); without it a longer prompt is a 400
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        None, description="vLLM's: keep each prompt's last N tokens (-1: max_model_len); longer is a 400"
+    )
     add_special_tokens: bool = True
-    user: Text | None = None
+    user: Text | None = Field(None, description="accepted; not used")
 
 
 class EmbeddingRequest(_PoolingFields):
-    input: PoolingInput
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
-    normalize: bool | None = None  # vLLM's extra: None keeps the model's choice
+    input: PoolingInput = Field(..., description="a text, texts, token ids, or lists of token ids")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: little-endian float32 bytes (the openai SDK's default)"
+    )
+    dimensions: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="the first N values, then normalized: only for a Matryoshka-trained model"
+    )
+    normalize: bool | None = Field(None, description="vLLM's: unit length or not; null: as the model says")
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -807,15 +812,17 @@ class PoolingRequest(EmbeddingRequest):
 
 
 class ScoreRequest(_PoolingFields):
-    text_1: Text | list[Text]
-    text_2: Text | list[Text]
+    text_1: Text | list[Text] = Field(..., description="one text, scored against every text_2, or a list")
+    text_2: Text | list[Text] = Field(..., description="as many texts as text_1, or any number after one")
 
 
 class RerankRequest(_PoolingFields):
     query: Text
     documents: list[Text]
-    top_n: Annotated[int, Field(ge=0)] | None = None  # None or 0: every document
-    return_documents: bool = True
+    top_n: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="the best N; null or 0: every document"
+    )
+    return_documents: bool = Field(True, description="each result carries its document's text")
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
