@@ -105,3 +105,24 @@ def tiny_embedding_checkpoint(folder: Path, pooling: str = "lasttoken", normaliz
     if normalize:
         (folder / "2_Normalize").mkdir(exist_ok=True)
     return folder
+
+
+# Qwen3's chat template, cut to what its reasoning needs: ChatML turns, and with enable_thinking false an
+# empty think block after the generation prompt, so the reply is the answer.
+QWEN3_THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_reasoning_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 whose tokenizer has ``<think>`` and ``</think>`` as single tokens (ids 259 and
+    260, as Qwen3's vocabulary has them) and Qwen3's thinking chat template."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**{**TINY, "vocab_size": TINY_VOCAB + 2, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 16, "architectures": ["Qwen3ForCausalLM"]})
+    random_hf_model(config, seed).save_pretrained(folder)
+    build_tiny_tokenizer(folder, ("<think>", "</think>"), QWEN3_THINKING_TEMPLATE)
+    return folder

@@ -14,8 +14,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(folder: str | Path) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def build_tiny_tokenizer(folder: str | Path, added_tokens: tuple[str, ...] = (),
+                         chat_template: str = CHAT_TEMPLATE) -> str:
+    """``added_tokens``: more single-id tokens after the specials, shown in decoded text (as Qwen3's
+    ``<think>`` and ``</think>`` are)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -23,8 +26,9 @@ def build_tiny_tokenizer(folder: str | Path) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    tok.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=chat_template
     )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
