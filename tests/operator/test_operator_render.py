@@ -470,6 +470,7 @@ def test_cpu_engines_get_the_cpu_flavour_by_default() -> None:
         ({"model": "m", "replicas": -1}, "spec.replicas"),
         ({"model": "m", "router": {"strategy": "random"}}, "spec.router.strategy"),
         ({"model": "m", "engine": {"blockSize": 12}}, "spec.engine.blockSize"),
+        ({"model": "m", "engine": {"runner": "embed"}}, "spec.engine.runner"),
         ({"replicas": 1}, "spec.model"),
         ({"model": "m", "resources": {"gpus": -1}}, "spec.resources.gpus"),
         ({"model": "m", "resources": {"memory": "lots"}}, "spec.resources.memory"),
@@ -493,6 +494,18 @@ def test_missing_metadata_is_an_error() -> None:
     del bad["metadata"]["uid"]
     with pytest.raises(ValueError, match=r"metadata\.uid"):
         render(bad)
+
+
+def test_an_embedding_model_runs_the_pooling_runner() -> None:
+    """An embedding checkpoint's ModelDeployment (issue 40): its engines get --runner pooling, everything
+    else as for a chat model (the router proxies /v1/embeddings, /score and /rerank by load)."""
+    embedder = md(name="qwen3-embed", model="Qwen/Qwen3-Embedding-0.6B", engine={"runner": "pooling"})
+    assert manifest_errors(embedder) == []
+    children = render(embedder)
+    args = container(children, "qwen3-embed-engine")["args"]
+    assert args[args.index("--runner") + 1] == "pooling"
+    assert all(manifest_errors(child) == [] for child in children)
+    assert "--runner" not in container(render(SPECS["defaults"]), "llama-8b-engine")["args"]  # auto
 
 
 def test_kv_events_strategy_turns_on_the_engines_kv_events() -> None:
