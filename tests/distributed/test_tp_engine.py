@@ -158,3 +158,19 @@ def test_two_ranks_with_the_host_kv_tier_equal_one(llama_kv2: Path) -> None:
     for (tokens_1, lps_1, _), (tokens_2, lps_2, _) in zip(one, two, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(torch.tensor(lps_2), torch.tensor(lps_1), atol=1e-4, rtol=0)
+
+
+def test_two_ranks_pool_as_one(tmp_path: Path) -> None:
+    """The pooling runner under tensor parallelism (issue 40): each rank builds its shard without the LM
+    head (a base-model checkpoint has none), and the vectors equal one rank's."""
+    from pagedserve.testing.tiny_models import tiny_embedding_checkpoint
+
+    folder = str(tiny_embedding_checkpoint(tmp_path, pooling="mean_tokens", base_model=True))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(seed=5)]
+    one = [o.outputs.embedding for o in LLM(folder, **ENGINE).embed(prompts)]
+    llm = LLM(folder, tensor_parallel_size=2, **ENGINE)
+    try:
+        two = [o.outputs.embedding for o in llm.embed(prompts)]
+    finally:
+        llm.shutdown()
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), atol=1e-5, rtol=0)
