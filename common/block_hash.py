@@ -18,8 +18,13 @@ from collections.abc import Sequence
 DIGEST_SIZE = 16
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=DIGEST_SIZE).digest()
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """``extra``: what else the block's K/V depend on (the hashes of the images whose placeholder tokens
+    it holds, server/core/kv_cache_manager.py), hashed as its own kind so no token block stands for it."""
+    data = parent_hash + array("q", token_ids).tobytes()
+    if extra:
+        return hashlib.blake2b(data + extra, digest_size=DIGEST_SIZE, person=b"mm").digest()
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
 
 
 def seed_hash(model_seed: str) -> bytes:

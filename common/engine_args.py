@@ -119,6 +119,11 @@ class EngineArgs:
         other_spelling=OtherSpelling("--task", task_runner, "TASK",
                                      "vLLM's older spelling: embed (--runner pooling) or generate"),
     )  # fmt: skip
+    limit_mm_per_prompt: Any = arg(
+        help='the most images one prompt may carry, vLLM\'s JSON: {"image": 2} (default: as many as fit '
+        "max_model_len)",
+        metavar="JSON", parse=str,
+    )  # fmt: skip
     pooler_config: Any = arg(
         help='how the pooling runner makes its vector, over the checkpoint\'s sentence-transformers config: '
         'JSON {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true | false} (vLLM\'s flag)',

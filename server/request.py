@@ -18,6 +18,7 @@ from pagedserve.server.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
     from pagedserve.server.grammar_state import GrammarState
+    from pagedserve.server.multimodal import ImageInput
     from pagedserve.server.outputs import SampledToken
 
 
@@ -78,6 +79,10 @@ class Request:
     pooling: PoolingParams | None = None
     pooling_sum: torch.Tensor | None = None  # MEAN: the sum of the prompt's hidden states computed so far
     pooled: list[float] | None = None
+    # The prompt's images (server/multimodal.py), and their encoder features once the runner made them
+    # (by index; held here so the runner's cache of them empties as the requests finish)
+    mm_inputs: list[ImageInput] = field(default_factory=list)
+    mm_features: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def lora_int_id(self) -> int:

@@ -26,14 +26,18 @@ TINY = dict(
 )
 
 
-def random_hf_model(config: Any, seed: int = 0) -> Any:
+def random_hf_model(config: Any, seed: int = 0, model_class: Any = None) -> Any:
     """An HF model (eager attention) whose every parameter, biases and norm weights too, is random and
-    O(1)-safe. ``config.architectures`` must name the class."""
+    O(1)-safe. ``config.architectures`` must name the class (or ``model_class`` be it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    if model_class is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    else:
+        model = model_class._from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model = model.eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -126,3 +130,48 @@ def tiny_reasoning_checkpoint(folder: Path, seed: int = 0) -> Path:
     random_hf_model(config, seed).save_pretrained(folder)
     build_tiny_tokenizer(folder, ("<think>", "</think>"), QWEN3_THINKING_TEMPLATE)
     return folder
+
+
+# A chat template that renders image parts as LLaVA's placeholder, as the checkpoints' templates do
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_IMAGE_TOKEN = TINY_VOCAB  # "<image>", the tokenizer's next id
+LLAVA_IMAGE_SIZE = 28  # pixels a side: 2 x 2 patches of 14, so 4 image tokens (the CLS dropped)
+
+
+def tiny_llava_checkpoint(folder: Path, text_model_type: str = "llama", seed: int = 0) -> Any:
+    """A tiny random LLaVA (CLIP tower, projector, Llama or Mistral decoder) saved with its processor (a
+    CLIP image processor of 28x28 pixels, the tiny tokenizer with ``<image>``); returns the HF model."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        MistralConfig,
+    )
+
+    text_class = {"llama": LlamaConfig, "mistral": MistralConfig}[text_model_type]
+    text = text_class(**{**TINY, "vocab_size": TINY_VOCAB + 1, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "tie_word_embeddings": False})  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=LLAVA_IMAGE_SIZE, patch_size=14,
+                              projection_dim=32)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN,
+                         architectures=["LlavaForConditionalGeneration"])  # fmt: skip
+    hf = random_hf_model(config, seed, LlavaForConditionalGeneration)
+    hf.save_pretrained(folder)
+    build_tiny_tokenizer(folder, ("<image>",), LLAVA_TEMPLATE)
+    size = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+    images = CLIPImageProcessor(size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size=size)
+    processor = LlavaProcessor(image_processor=images, tokenizer=AutoTokenizer.from_pretrained(str(folder)),
+                               patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
+                               num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)  # fmt: skip
+    processor.save_pretrained(str(folder))
+    return hf

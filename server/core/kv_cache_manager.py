@@ -2,7 +2,8 @@
 
 A full block's hash chains its parent's hash with its token ids, seeded by the model (and by the
 request's ``cache_salt`` and LoRA adapter, so requests with different salts or adapters never share a
-block), so equal hashes mean equal prefixes. Blocks become findable as soon as they are allocated for
+block, and by the hashes of the images whose placeholder tokens it holds), so equal hashes mean equal
+prefixes. Blocks become findable as soon as they are allocated for
 tokens that fill them: within one forward pass every layer stores all new K/V before any attention
 reads, so a request scheduled later in the same step may already share them (this is how n > 1 samples
 share a prompt).
@@ -244,7 +245,9 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else salted_root(self.root_hash, request.cache_salt, lora_name)
             size = self.block_size
             for i in range(len(hashes), num_full):
-                parent = hash_block(parent, request.token_slice(i * size, (i + 1) * size))
+                start, end = i * size, (i + 1) * size
+                images = b"".join(image.hash for image in request.mm_inputs if image.rows_in(start, end))
+                parent = hash_block(parent, request.token_slice(start, end), images)
                 hashes.append(parent)
         return hashes
 

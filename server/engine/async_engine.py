@@ -220,6 +220,8 @@ class AsyncEngine:
     ) -> RequestStream:
         if not self.is_healthy():
             raise EngineDeadError("the engine loop is not running")
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:  # image decoding and resizing: CPU work
+            prompt = await asyncio.to_thread(self.processor.process_images, prompt)
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # A first compile may take up to its deadline (server/structured_output/compiler.py): done off
             # the loop, so other streams keep flowing; process() below then finds it in the cache. Only the

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.loader.generation_config import sampling_defaults
 from pagedserve.server.lora_request import LoRALoadError, LoRARequest
+from pagedserve.server.multimodal import MODALITIES, ImageInput, as_images, process_images
 from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.request import Request
@@ -43,6 +44,15 @@ UNSET_IS_DEFAULT = frozenset(
 )
 # A pooling request's core params: it samples nothing, and its one output comes when it has finished.
 POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """A vision-language model's front-end half: its Transformers processor and image token."""
+
+    processor: Any  # the checkpoint's AutoProcessor: image processor and tokenizer
+    image_token_id: int
+    limit: int | None  # images per prompt at most (--limit-mm-per-prompt); None: as many as fit
 
 
 @dataclass
@@ -69,11 +79,13 @@ class Processor:
         enable_lora: bool = False,
         lora_requests: list[LoRARequest] | None = None,
         pooler: PoolerConfig | None = None,
+        images: ImageProcessing | None = None,
     ) -> None:
         """``pooler``: the model's, under the pooling runner (which takes only pooling requests); None under
-        the generate runner."""
+        the generate runner. ``images``: a vision-language model's processor (None: text only)."""
         self.tokenizer = tokenizer
         self.pooler = pooler
+        self.images = images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -169,6 +181,9 @@ class Processor:
     ) -> ProcessedRequest:
         self._check_runner(params)
         self._check_lora(lora_request)
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            prompt = self.process_images(prompt)  # the async engine did it already, off its event loop
+        mm_inputs: list[ImageInput] = prompt.get("mm_inputs", []) if isinstance(prompt, dict) else []
         text, token_ids = self._tokenize(prompt)
         cache_salt = self._cache_salt(prompt)
         arrival = arrival_time if arrival_time is not None else time.time()
@@ -176,7 +191,7 @@ class Processor:
             self._check_prompt(token_ids, room=0)
             request = Request(request_id, token_ids, POOLING_SAMPLING, 1, frozenset(),
                               RequestMetrics(arrival), cache_salt=cache_salt, lora_request=lora_request,
-                              pooling=self._pooling(params))
+                              pooling=self._pooling(params), mm_inputs=mm_inputs)
             return ProcessedRequest(request_id, text, token_ids, POOLING_SAMPLING, 1, [request])
         self._check_prompt(token_ids)
         max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
@@ -206,10 +221,36 @@ class Processor:
                 # The request's prompt logprobs are computed once, by its first sample.
                 prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
                 grammar=grammar.new_state(gate) if grammar is not None else None,
+                mm_inputs=mm_inputs,
             )
             for index in range(params.n)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, max_tokens, children)
+
+    def process_images(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """A prompt dict with vLLM's ``multi_modal_data`` -> the same with its token ids (each image's
+        placeholder expanded) and ``mm_inputs``: the checkpoint's own processor over text and images (CPU
+        work the async engine runs off its loop). Refusals name the prompt."""
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - set(MODALITIES):
+            raise InvalidRequestError(f"multi_modal_data takes {', '.join(MODALITIES)}", param="prompt")
+        images = as_images(data.get("image", []))
+        if not images:
+            return {key: value for key, value in prompt.items() if key != "multi_modal_data"}
+        if self.images is None:
+            raise InvalidRequestError("This model takes text only: it is not a vision-language model.",
+                                      param="prompt")
+        limit = self.images.limit
+        if limit is not None and len(images) > limit:
+            raise InvalidRequestError(f"At most {limit} images may be sent per prompt "
+                                      f"(--limit-mm-per-prompt); this one has {len(images)}.", param="prompt")
+        if not isinstance(prompt.get("prompt"), str):
+            raise InvalidRequestError("a prompt with images needs its text as 'prompt', with a placeholder "
+                                      "per image", param="prompt")
+        token_ids, mm_inputs = process_images(self.images.processor, self.images.image_token_id,
+                                              prompt["prompt"], images)
+        rest = {key: value for key, value in prompt.items() if key not in ("multi_modal_data", "prompt")}
+        return {**rest, "prompt": prompt["prompt"], "prompt_token_ids": token_ids, "mm_inputs": mm_inputs}
 
     def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
         if isinstance(params, PoolingParams) and self.pooler is None:
@@ -362,7 +403,25 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         enable_lora=config.enable_lora,
         lora_requests=core.list_loras(),
         pooler=load_pooler(config, core.model_path),
+        images=load_image_processing(config, core.model_path),
     )
+
+
+def load_image_processing(config: EngineConfig, model_path: Path) -> ImageProcessing | None:
+    """The checkpoint's processor when it is a vision-language model, else None."""
+    from pagedserve.server.loader import load_config
+    from pagedserve.server.multimodal import takes_images
+
+    hf_config = load_config(model_path)
+    if not takes_images(hf_config):
+        return None
+    from transformers import AutoProcessor
+
+    image_token_id = getattr(hf_config, "image_token_index", None)  # LLaVA's name; Qwen2-VL's is _id
+    if image_token_id is None:
+        image_token_id = hf_config.image_token_id
+    limit = (config.limit_mm_per_prompt or {}).get("image")
+    return ImageProcessing(AutoProcessor.from_pretrained(str(model_path)), int(image_token_id), limit)
 
 
 def load_pooler(config: EngineConfig, model_path: Path) -> PoolerConfig | None:

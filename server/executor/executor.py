@@ -89,7 +89,9 @@ class Executor:
             self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization,
             tp=self.ranks.tp if self.ranks is not None else None, runner=config.runner,
         )
-        self.vocab_size = int(self.hf_config.vocab_size)
+        # A vision-language config holds the decoder's numbers in its text config (a text one is its own)
+        self.text_config = self.hf_config.get_text_config()
+        self.vocab_size = int(self.text_config.vocab_size)
         self.lora = self._make_lora_manager()
         self.draft_model = self._load_draft_model()
         # This rank's KV heads: a shard of every block under tensor parallelism.
@@ -209,7 +211,7 @@ class Executor:
 
     def _resolve_max_model_len(self) -> None:
         cfg = self.config
-        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        model_limit = int(getattr(self.text_config, "max_position_embeddings", 2048))
         capacity = self.num_blocks * cfg.block_size
         if cfg.max_model_len is None:
             cfg.max_model_len = min(model_limit, capacity)

@@ -134,14 +134,19 @@ class DecoderForCausalLM(nn.Module):
     # ---- running ---------------------------------------------------------------------------------
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the flattened batch: ``input_ids``, ``positions`` ``LongTensor[T]`` -> hidden ``[T, hidden]``.
 
         Every layer stores the batch's K/V at ``meta.slot_mapping`` before attending, so after the
-        call the cache holds these tokens too.
+        call the cache holds these tokens too. ``inputs_embeds`` ``[T, hidden]``: the rows' embeddings,
+        given when some are not tokens' (``embed_input_ids`` and a vision encoder's features).
         """
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden`` ``[N, hidden_size]`` (the rows to sample) -> float32 logits ``[N, vocab_size]``.

@@ -227,12 +227,17 @@ class DecoderModel(nn.Module):
         # Positions must stay below this: the shortest rotary table.
         self.max_position = min(table.cos_sin_cache.shape[0] for table in tables.values())
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.embed_scale != 1.0:
-            hidden = hidden * self.embed_scale
+        return hidden * self.embed_scale if self.embed_scale != 1.0 else hidden
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``inputs_embeds``: the step's embeddings when some rows are not tokens' (a multimodal model's
+        image features, merged by the runner); else ``input_ids`` are embedded here."""
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta, self.rotary_emb[layer.layer_type])

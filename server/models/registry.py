@@ -17,6 +17,7 @@ from pagedserve.server.models.causal_lm import DecoderForCausalLM
 from pagedserve.server.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedserve.server.models.granite import GraniteForCausalLM
 from pagedserve.server.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.server.models.llava import LlavaForConditionalGeneration
 from pagedserve.server.models.mixtral import MixtralForCausalLM
 from pagedserve.server.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.server.models.phi3 import Phi3ForCausalLM
@@ -38,6 +39,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Images in: a CLIP or SigLIP tower and a projector before a Llama or Mistral decoder
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 # Each family's decoder without its head: ``<Family>Model`` in Transformers (Gemma 3's text decoder is
@@ -45,6 +48,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
 BASE_MODEL_ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     ("Gemma3TextModel" if name == "Gemma3ForCausalLM" else name.removesuffix("ForCausalLM") + "Model"): cls
     for name, cls in MODEL_REGISTRY.items()
+    if name.endswith("ForCausalLM")
 }
 
 

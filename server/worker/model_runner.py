@@ -19,6 +19,7 @@ drafter's own layers (its KV in the same slots), and hands its draw distribution
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedserve.server.lora.manager import LoRAManager
+from pagedserve.server.multimodal import ImageInput
 from pagedserve.server.outputs import SampledToken
 from pagedserve.server.request import Request
 from pagedserve.server.sample.sampler import LaunchedSample, launch_sample
@@ -66,6 +68,9 @@ class ModelInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     kv_transfers: KVTransfers | None = None  # the host tier's copies (server/core/host_tier.py), made first
+    # The rows' embeddings when some rows are image features (server/multimodal.py); else None, and the
+    # model embeds input_ids itself
+    inputs_embeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,6 +86,8 @@ class StepInputs:
     # A sampling draft model's distributions per request id (server/spec_decode/draft_model.py)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     pooling_rows: list[PoolingRows] = field(default_factory=list)  # pooling requests' chunks
+    # Rows of image placeholders: (first row, the request, its image's index, the run's part [first, last))
+    image_rows: list[tuple[int, Request, int, int, int]] = field(default_factory=list)
 
 StepResult = list[tuple[Request, list[SampledToken] | Exception]]
 
@@ -162,6 +169,9 @@ class ModelRunner:
         self.drafter: DraftModel | None = None
         if draft_model is not None:
             self.drafter = DraftModel(draft_model, num_blocks, block_size, dtype, device)
+        # Each image's encoder features while a request holds them (``Request.mm_features``), by hash: a
+        # repeated image is encoded once, and the entries leave with the last request that holds them.
+        self.encoder_cache: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
         self.graphs: DecodeGraphs | None = None
         if backend.supports_cuda_graphs and not enforce_eager:
             self.graphs = DecodeGraphs(model, backend, max_num_seqs, max_model_len, block_size, device)
@@ -232,6 +242,8 @@ class ModelRunner:
         flight, whose sampled tokens are the inputs of this step's rows with ``num_in_flight``."""
         draft_probs = self._draft(scheduled, block_ids) if self.drafter is not None else {}
         inputs = self.prepare(scheduled, block_ids, previous)
+        if inputs.image_rows:
+            inputs.model.inputs_embeds = self._merge_images(inputs.model.input_ids, inputs.image_rows)
         inputs.draft_probs = draft_probs
         inputs.model.kv_transfers = kv_transfers
         if self.lora is not None:
@@ -263,9 +275,34 @@ class ModelRunner:
         after the step's host-tier copies of this rank's shard of the blocks."""
         if inputs.kv_transfers:
             self.copy_kv_shard(inputs.kv_transfers)
-        if self.graphs is not None and self.graphs.fits(inputs.meta):
+        if self.graphs is not None and inputs.inputs_embeds is None and self.graphs.fits(inputs.meta):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.inputs_embeds)
+
+    def _merge_images(self, input_ids: torch.Tensor, image_rows: list[tuple[int, Request, int, int, int]],
+                      ) -> torch.Tensor:
+        """The step's embeddings: the tokens', with each image run's rows replaced by its features."""
+        embeds = self.model.embed_input_ids(input_ids)
+        for row, request, index, first, last in image_rows:
+            features = self._image_features(request, index)
+            embeds[row : row + last - first] = features[first:last].to(embeds.dtype)
+        return embeds
+
+    def _image_features(self, request: Request, index: int) -> torch.Tensor:
+        """One image's encoder features, made on its request's first step that reaches its run."""
+        features = request.mm_features.get(index)
+        if features is not None:
+            return features
+        image: ImageInput = request.mm_inputs[index]
+        features = self.encoder_cache.get(image.hash)
+        if features is None:
+            features = self.model.encode_images(self._to_device(image.pixel_values.unsqueeze(0)))[0]
+            if features.shape[0] != image.length:
+                raise ValueError(f"the image encoder gave {features.shape[0]} features for an image of "
+                                 f"{image.length} placeholder tokens")
+            self.encoder_cache[image.hash] = features
+        request.mm_features[index] = features
+        return features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of ``hidden``'s rows, the other ranks' vocabulary slices gathered here."""
@@ -332,13 +369,15 @@ class ModelRunner:
         spec_requests: list[ScheduledRequest] = []
         prompt_rows: list[PromptLogprobRows] = []
         pooling: list[PoolingRows] = []
+        image_rows: list[tuple[int, Request, int, int, int]] = []
         in_flight_rows: list[int] = []  # rows whose token ``previous`` is sampling, and their requests
         in_flight_ids: list[str] = []
         num_decode_items = len(decodes)
         for index, item in enumerate(ordered):
             request, start = item.request, item.request.num_computed_tokens + item.num_in_flight
             if (item.num_new_tokens == 1 and not item.spec_token_ids and request.prompt_logprobs is None
-                    and request.pooling is None):
+                    and request.pooling is None
+                    and not (request.mm_inputs and start < request.num_prompt_tokens)):
                 # One token and nothing else to do: most rows of a step, so kept to the bare appends.
                 rows.append(len(table_items))
                 table_items.append(index)
@@ -370,6 +409,10 @@ class ModelRunner:
                 prompt_rows.append(wanted)
             if request.pooling is not None:
                 pooling.append(PoolingRows(request, len(token_ids), start, end - start))
+            for image_index, image in enumerate(request.mm_inputs):
+                if (part := image.rows_in(start, end)) is not None:
+                    row = len(token_ids) + image.offset + part[0] - start
+                    image_rows.append((row, request, image_index, *part))
             num_drafts = len(item.spec_token_ids)
             token_ids.extend(request.token_slice(start, end - num_drafts))
             token_ids.extend(item.spec_token_ids)
@@ -414,6 +457,7 @@ class ModelRunner:
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,
             pooling_rows=pooling,
+            image_rows=image_rows,
             spec_indices=spec_indices,
             spec_requests=spec_requests,
             ordered=ordered,

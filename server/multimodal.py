@@ -1,0 +1,106 @@
+"""Images in a prompt: what the front end makes of them and what the engine core carries (vLLM's
+multimodal inputs, for images).
+
+The front end's processor (server/engine/processor.py) runs the checkpoint's own Transformers processor
+(``AutoProcessor``) over the prompt's text and images: it expands each image's placeholder into the run of
+image tokens the model expects and makes the pixel values. Each image becomes an ``ImageInput``: where its
+run starts and how long it is, its pixels, and a hash of them. The core never decodes an image: the
+runner encodes the pixels once per request (shared between requests by hash while any holds them,
+server/worker/model_runner.py) and merges the features over the run's rows, whatever chunk of the prompt
+a step computes; the prefix cache mixes the hash into the hash of every block the run touches
+(server/core/kv_cache_manager.py), so two images after the same text never share a block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.server.exceptions import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    offset: int  # the first placeholder token's position in the prompt
+    length: int  # placeholder tokens: the encoder's features per image
+    hash: bytes  # of the pixel values: the encoder's input, so equal hashes mean equal features
+    pixel_values: torch.Tensor  # [C, H, W], as the checkpoint's image processor made them
+
+    def rows_in(self, start: int, end: int) -> tuple[int, int] | None:
+        """The part ``[first, last)`` of this image's run that positions ``[start, end)`` cover."""
+        first, last = max(start, self.offset), min(end, self.offset + self.length)
+        return (first - self.offset, last - self.offset) if first < last else None
+
+
+def takes_images(hf_config: Any) -> bool:
+    """A vision-language checkpoint: Transformers' configs of those carry a ``vision_config``."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def pixel_hash(pixel_values: torch.Tensor) -> bytes:
+    data = pixel_values.detach().contiguous().cpu()
+    return hashlib.blake2b(str((data.dtype, tuple(data.shape))).encode() + data.numpy().tobytes(),
+                           digest_size=16).digest()  # fmt: skip
+
+
+def as_images(value: Any) -> list[Any]:
+    """``multi_modal_data["image"]``: one image or a list of them (vLLM's forms)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def process_images(hf_processor: Any, image_token_id: int, text: str,
+                   images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+    """The prompt's token ids, each image's placeholder expanded, and its images; InvalidRequestError when
+    the prompt's placeholders and the images do not pair up."""
+    try:
+        batch = hf_processor(text=text, images=images, return_tensors="pt")
+    except (ValueError, TypeError, OSError) as exc:  # the processor's own refusals: count, format, mode
+        raise InvalidRequestError(f"the images could not be processed: {exc}", param="prompt") from exc
+    token_ids = [int(t) for t in batch["input_ids"][0]]
+    runs = placeholder_runs(token_ids, image_token_id)
+    if len(runs) != len(images):
+        raise InvalidRequestError(
+            f"the prompt has {len(runs)} image placeholders for {len(images)} images", param="prompt"
+        )
+    pixels = batch["pixel_values"]
+    images_in = [ImageInput(offset, length, pixel_hash(pixels[i]), pixels[i])
+                 for i, (offset, length) in enumerate(runs)]  # fmt: skip
+    return token_ids, images_in
+
+
+def placeholder_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of the image token, in order."""
+    runs: list[tuple[int, int]] = []
+    for position, token in enumerate(token_ids):
+        if token != image_token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
+
+
+MODALITIES = ("image",)
+
+
+def parse_mm_limits(value: dict[str, int] | str | None) -> dict[str, int] | None:
+    """``--limit-mm-per-prompt``'s JSON (or the dict ``LLM(limit_mm_per_prompt=...)`` takes), checked."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {exc}") from exc
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - set(MODALITIES):
+        raise ValueError(f"limit_mm_per_prompt must be a JSON object of {', '.join(MODALITIES)} counts, "
+                         f"got {value!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value.values()):
+        raise ValueError(f"limit_mm_per_prompt's limits must be integers >= 0, got {value!r}")
+    return value
