@@ -93,7 +93,8 @@ def test_serve_help_names_every_architecture():
 
 def test_the_models_page_lists_every_architecture():
     # Rows of the Models table open with the architecture's name; other tables' rows start otherwise.
-    rows = (re.match(r"\| `(\w+ForCausalLM)` \|", line) for line in MODELS_PAGE.read_text().splitlines())
+    table_row = re.compile(r"\| `(\w+For(?:CausalLM|ConditionalGeneration))` \|")
+    rows = (table_row.match(line) for line in MODELS_PAGE.read_text().splitlines())
     listed = {row.group(1) for row in rows if row}
     assert listed >= set(supported_architectures())
 
