@@ -119,6 +119,11 @@ class EngineArgs:
         other_spelling=OtherSpelling("--task", task_runner, "TASK",
                                      "vLLM's older spelling: embed (--runner pooling) or generate"),
     )  # fmt: skip
+    load_format: str = arg(
+        "auto", "auto: the checkpoint's weights; dummy: random weights of the config's shape, for "
+        "benchmarks of a shape with no weights at hand (vLLM's flag)",
+        choices=("auto", "dummy"),
+    )  # fmt: skip
     limit_mm_per_prompt: Any = arg(
         help='the most images one prompt may carry, vLLM\'s JSON: {"image": 2} (default: as many as fit '
         "max_model_len)",

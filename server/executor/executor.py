@@ -77,7 +77,7 @@ class Executor:
         check_tensor_parallel(load_config(self.model_path), size)
         spec = dict(model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type,
                     backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, seed=self.config.seed,
-                    runner=self.config.runner)
+                    runner=self.config.runner, load_format=self.config.load_format)
         return TPDriver.start(spec, size)
 
     def _load_shard_and_runner(self) -> None:
@@ -88,6 +88,7 @@ class Executor:
         self.model, self.hf_config = load_model(
             self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization,
             tp=self.ranks.tp if self.ranks is not None else None, runner=config.runner,
+            load_format=config.load_format,
         )
         # A vision-language config holds the decoder's numbers in its text config (a text one is its own)
         self.text_config = self.hf_config.get_text_config()

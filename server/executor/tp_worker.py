@@ -41,6 +41,7 @@ class WorkerSpec:
     init_method: str  # tcp://127.0.0.1:PORT, rank 0's store
     timeout_s: float
     runner: str = "generate"  # "pooling": no LM head (server/loader/weights.py load_model)
+    load_format: str = "auto"  # "dummy": random weights
 
 
 @dataclass
@@ -137,7 +138,8 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel) -> None:
 
     device = rank_device(spec.device_type, rank)
     backend = select_backend(device, spec.dtype, spec.backend, spec.kv_cache_dtype)
-    model, _ = load_model(spec.model_path, spec.dtype, device, backend=backend, tp=tp, runner=spec.runner)
+    model, _ = load_model(spec.model_path, spec.dtype, device, backend=backend, tp=tp, runner=spec.runner,
+                          load_format=spec.load_format)
     logger.info("rank %d of %d loaded its shard on %s", rank, spec.size, device)
     runner: ModelRunner | None = None
     while True:
