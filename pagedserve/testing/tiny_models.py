@@ -143,9 +143,11 @@ LLAVA_IMAGE_TOKEN = TINY_VOCAB  # "<image>", the tokenizer's next id
 LLAVA_IMAGE_SIZE = 28  # pixels a side: 2 x 2 patches of 14, so 4 image tokens (the CLS dropped)
 
 
-def tiny_llava_checkpoint(folder: Path, text_model_type: str = "llama", seed: int = 0) -> Any:
-    """A tiny random LLaVA (CLIP tower, projector, Llama or Mistral decoder) saved with its processor (a
-    CLIP image processor of 28x28 pixels, the tiny tokenizer with ``<image>``); returns the HF model."""
+def tiny_llava_checkpoint(folder: Path, text_model_type: str = "llama", seed: int = 0,
+                          tower: str = "clip") -> Any:
+    """A tiny random LLaVA (a CLIP or SigLIP tower, the projector, a Llama or Mistral decoder) saved with
+    its processor (an image processor of 28x28 pixels, the tiny tokenizer with ``<image>``); returns the HF
+    model. SigLIP has no CLS position: its features are all taken ("full"), 4 image tokens either way."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -155,23 +157,32 @@ def tiny_llava_checkpoint(folder: Path, text_model_type: str = "llama", seed: in
         LlavaForConditionalGeneration,
         LlavaProcessor,
         MistralConfig,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
     )
 
     text_class = {"llama": LlamaConfig, "mistral": MistralConfig}[text_model_type]
     text = text_class(**{**TINY, "vocab_size": TINY_VOCAB + 1, "num_attention_heads": 4,
                          "num_key_value_heads": 2, "tie_word_embeddings": False})  # fmt: skip
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                              num_attention_heads=2, image_size=LLAVA_IMAGE_SIZE, patch_size=14,
-                              projection_dim=32)  # fmt: skip
+    tower_shape = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=LLAVA_IMAGE_SIZE, patch_size=14)  # fmt: skip
+    size = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+    if tower == "clip":
+        vision: Any = CLIPVisionConfig(**tower_shape, projection_dim=32)
+        images: Any = CLIPImageProcessor(size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size=size)
+        strategy, extra_tokens = "default", 1  # the CLS position is dropped
+    else:
+        vision, images = SiglipVisionConfig(**tower_shape), SiglipImageProcessor(size=size)
+        strategy, extra_tokens = "full", 0
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN,
+                         vision_feature_select_strategy=strategy, vision_feature_layer=-2,
                          architectures=["LlavaForConditionalGeneration"])  # fmt: skip
     hf = random_hf_model(config, seed, LlavaForConditionalGeneration)
     hf.save_pretrained(folder)
     build_tiny_tokenizer(folder, ("<image>",), LLAVA_TEMPLATE)
-    size = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
-    images = CLIPImageProcessor(size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size=size)
     processor = LlavaProcessor(image_processor=images, tokenizer=AutoTokenizer.from_pretrained(str(folder)),
-                               patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
-                               num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)  # fmt: skip
+                               patch_size=14, vision_feature_select_strategy=strategy, image_token="<image>",
+                               num_additional_image_tokens=extra_tokens,
+                               chat_template=LLAVA_TEMPLATE)  # fmt: skip
     processor.save_pretrained(str(folder))
     return hf

@@ -32,10 +32,12 @@ def image(seed: int, size: tuple[int, int] = (40, 30)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])
+@pytest.fixture(scope="module", params=[("llama", "clip"), ("mistral", "clip"), ("llama", "siglip")],
+                ids=["clip-llama", "clip-mistral", "siglip-llama"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    folder = tmp_path_factory.mktemp(f"llava-{request.param}")
-    return folder, tiny_llava_checkpoint(folder, request.param)
+    decoder, tower = request.param
+    folder = tmp_path_factory.mktemp(f"llava-{tower}-{decoder}")
+    return folder, tiny_llava_checkpoint(folder, decoder, tower=tower)
 
 
 def hf_greedy(checkpoint: tuple[Path, Any], text: str, images: list[Image.Image]) -> list[int]:
