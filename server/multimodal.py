@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 class ImageInput:
     offset: int  # the first placeholder token's position in the prompt
     length: int  # placeholder tokens: the encoder's features per image
-    hash: bytes  # of the pixel values: the encoder's input, so equal hashes mean equal features
-    pixel_values: torch.Tensor  # [C, H, W], as the checkpoint's image processor made them
+    hash: bytes  # of the encoder's inputs, so equal hashes mean equal features
+    # The model's encoder's keyword arguments for this image alone, as the checkpoint's image processor made
+    # them: LLaVA's pixel_values [1, C, H, W]; Qwen2-VL's patches [n, dim] and image_grid_thw [1, 3]
+    encoder_inputs: dict[str, torch.Tensor]
 
     def rows_in(self, start: int, end: int) -> tuple[int, int] | None:
         """The part ``[first, last)`` of this image's run that positions ``[start, end)`` cover."""
@@ -42,10 +44,13 @@ def takes_images(hf_config: Any) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
 
 
-def pixel_hash(pixel_values: torch.Tensor) -> bytes:
-    data = pixel_values.detach().contiguous().cpu()
-    return hashlib.blake2b(str((data.dtype, tuple(data.shape))).encode() + data.numpy().tobytes(),
-                           digest_size=16).digest()  # fmt: skip
+def inputs_hash(inputs: dict[str, torch.Tensor]) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(inputs):
+        data = inputs[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
+        digest.update(data.numpy().tobytes())
+    return digest.digest()
 
 
 def as_images(value: Any) -> list[Any]:
@@ -67,10 +72,22 @@ def process_images(hf_processor: Any, image_token_id: int, text: str,
         raise InvalidRequestError(
             f"the prompt has {len(runs)} image placeholders for {len(images)} images", param="prompt"
         )
-    pixels = batch["pixel_values"]
-    images_in = [ImageInput(offset, length, pixel_hash(pixels[i]), pixels[i])
-                 for i, (offset, length) in enumerate(runs)]  # fmt: skip
+    images_in = []
+    for (offset, length), inputs in zip(runs, per_image_inputs(batch, len(images)), strict=True):
+        images_in.append(ImageInput(offset, length, inputs_hash(inputs), inputs))
     return token_ids, images_in
+
+
+def per_image_inputs(batch: Any, num_images: int) -> list[dict[str, torch.Tensor]]:
+    """The processor's batched encoder inputs cut per image: pixel_values by image (LLaVA), or, with an
+    ``image_grid_thw`` (Qwen2-VL), its patch rows by each image's grid."""
+    pixels = batch["pixel_values"]
+    if "image_grid_thw" not in batch:
+        return [{"pixel_values": pixels[i : i + 1]} for i in range(num_images)]
+    grids = batch["image_grid_thw"]
+    sizes = [int(n) for n in grids.prod(-1)]
+    return [{"pixel_values": part, "image_grid_thw": grids[i : i + 1]}
+            for i, part in enumerate(pixels.split(sizes))]  # fmt: skip
 
 
 def placeholder_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:

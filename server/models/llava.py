@@ -99,7 +99,8 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         return family.spec_from_config(hf_config)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.encoder(pixel_values)
+        """One image's features ``[tokens, hidden]`` (server/multimodal.py ``ImageInput.encoder_inputs``)."""
+        return self.encoder(pixel_values)[0]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

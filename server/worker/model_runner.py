@@ -296,7 +296,8 @@ class ModelRunner:
         image: ImageInput = request.mm_inputs[index]
         features = self.encoder_cache.get(image.hash)
         if features is None:
-            features = self.model.encode_images(self._to_device(image.pixel_values.unsqueeze(0)))[0]
+            inputs = {name: self._to_device(value) for name, value in image.encoder_inputs.items()}
+            features = self.model.encode_images(**inputs)
             if features.shape[0] != image.length:
                 raise ValueError(f"the image encoder gave {features.shape[0]} features for an image of "
                                  f"{image.length} placeholder tokens")
