@@ -394,3 +394,18 @@ def test_the_media_flags_make_the_media_settings(tmp_path: Path) -> None:
         allowed_domains=frozenset({"upload.wikimedia.org", "github.com"}), allowed_local_path=tmp_path
     )
     assert media_settings(parser.parse_args([])) == MediaSettings()
+
+
+async def test_a_responses_input_image_reaches_the_engine(
+    client: httpx.AsyncClient, recorder: Recorder
+) -> None:
+    content = [{"type": "input_text", "text": "What is this?"},
+               {"type": "input_image", "image_url": data_uri(encoded(picture())), "detail": "auto"}]
+    body = {"model": "fake-model", "input": [{"role": "user", "content": content}], "max_output_tokens": 4}
+    response = await client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    assert recorder.prompts[-1]["prompt"] == f"<user>What is this?{SLOT}\n<assistant>"
+    assert recorder.images[0].tobytes() == picture().tobytes()
+    content[1] = {"type": "input_image", "file_id": "file-1"}
+    message = assert_400(await client.post("/v1/responses", json=body), "input[0]")
+    assert "file_id is not supported" in message
