@@ -20,6 +20,9 @@ Chat templates render as the engine renders them: in the engine server's bounded
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import logging
 import re
@@ -60,6 +63,57 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: bytes) -> list
     has no hashes.
     """
     return [hash_int(d) for d in block_hash.chain_hashes(token_ids, block_size, seed)]
+
+
+# Marks where the template put an image part (private-use code points: no text a client sends has it).
+_IMAGE_SENTINEL = "\ue000pagedserve-image\ue000"
+
+
+def image_content_hash(url: str) -> bytes:
+    """What identifies an image part's image: sha256 of a base64 data URI's decoded bytes (so the same
+    image sent twice is the same image), else of the URL string (the router never fetches)."""
+    header, sep, payload = url.partition(",")
+    if sep and header[:5].lower() == "data:" and header.lower().endswith(";base64"):
+        try:
+            return hashlib.sha256(base64.b64decode(payload, validate=True)).digest()
+        except (binascii.Error, ValueError):
+            pass  # the engine will refuse it; the string still keys it
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).digest()
+
+
+def image_token_ids(digest: bytes, count: int) -> list[int]:
+    """``count`` stand-in token ids for one image, drawn from its hash. Negative, so never a real token
+    id; ``count`` of a block size makes the block where the image starts a full one, so it is hashed:
+    two different images after the same text never share that block's hash, whatever follows them."""
+    stream = hashlib.shake_256(digest).digest(8 * count)
+    return [~(int.from_bytes(stream[i : i + 8], "little") >> 1) for i in range(0, 8 * count, 8)]
+
+
+def _image_url(part: Any) -> str | None:
+    if isinstance(part, dict) and part.get("type") == "image_url":
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else None
+        return url if isinstance(url, str) else None
+    return None
+
+
+def _template_message(message: dict[str, Any], images: list[bytes]) -> dict[str, Any]:
+    """A message as the engine hands it to the template (server/api/serving_base.py): text parts joined,
+    or, when it has image parts, its parts as a list with ``{"type": "image"}`` for each image, followed
+    here by a sentinel text part that marks the image's place in the rendered text. The images' hashes
+    are appended to ``images`` in order."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(_image_url(part) is not None for part in content):
+        return {**message, "content": _text_of(content)}
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        url = _image_url(part)
+        if url is not None:
+            images.append(image_content_hash(url))
+            parts += [{"type": "image"}, {"type": "text", "text": _IMAGE_SENTINEL}]
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+    return {**message, "content": parts}
 
 
 def _text_of(content: Any) -> Any:
@@ -209,14 +263,31 @@ class PromptHasher:
     # --- prompt -> token ids ---------------------------------------------------------------------
     def chat_token_ids(self, messages: list[dict[str, Any]], body: dict[str, Any] | None = None) -> list[int]:
         """Chat messages rendered with the chat template (generation prompt added), then tokenized
-        without adding special tokens again, as the engine does for /v1/chat/completions."""
-        msgs = [{**m, "content": _text_of(m.get("content"))} if isinstance(m, dict) else m for m in messages]
+        without adding special tokens again, as the engine does for /v1/chat/completions. Each image
+        part stands as ``image_token_ids`` of its content hash where the template placed it."""
+        images: list[bytes] = []
+        msgs = [_template_message(m, images) if isinstance(m, dict) else m for m in messages]
         if self.tokenizer is not None:
             try:
-                return self._encode(self.render_chat(msgs, body), False)
+                text = self.render_chat(msgs, body)
+                return self._with_images(text, images) if images else self._encode(text, False)
             except Exception as exc:  # a template that rejects these messages: the engine will answer
                 logger.debug("chat template failed (%s); hashing the raw messages", exc)
-        return self._bytes_of(json.dumps(msgs, ensure_ascii=False, sort_keys=True))
+        ids = self._bytes_of(json.dumps(msgs, ensure_ascii=False, sort_keys=True))
+        return ids + [t for digest in images for t in image_token_ids(digest, self.block_size)]
+
+    def _with_images(self, text: str, images: list[bytes]) -> list[int]:
+        """Rendered text with one sentinel per image: its pieces tokenized, each image's ids between.
+        A template that drops or repeats parts leaves the sentinels astray: the images then go last."""
+        pieces = text.split(_IMAGE_SENTINEL)
+        stand_ins = [image_token_ids(digest, self.block_size) for digest in images]
+        if len(pieces) != len(images) + 1:
+            return self._encode("".join(pieces), False) + [t for ids in stand_ins for t in ids]
+        ids = self._encode(pieces[0], False)
+        for image_ids, piece in zip(stand_ins, pieces[1:], strict=True):
+            ids += image_ids
+            ids += self._encode(piece, False)
+        return ids
 
     def text_token_ids(self, prompt: str) -> list[int]:
         if self.tokenizer is not None:

@@ -163,16 +163,17 @@ def metrics_page() -> str:
     kinds, helps = {}, {}
     for line in asyncio.run(scrape()).splitlines():
         parts = line.split(" ", 3)
-        if line.startswith("# TYPE vllm:"):
+        if line.startswith(("# TYPE vllm:", "# TYPE pagedserve:")):
             kinds[parts[2]] = parts[3]
-        elif line.startswith("# HELP vllm:") and not parts[2].endswith("_created"):
+        elif line.startswith(("# HELP vllm:", "# HELP pagedserve:")) and not parts[2].endswith("_created"):
             helps[parts[2]] = parts[3] if len(parts) > 3 else ""
     rows = [f"| `{name}` | {kinds.get(name, '')} | {cell(text)} |" for name, text in helps.items()]
     return "\n".join([
         HEADER,
         "# Engine metrics\n",
         "What `GET /metrics` serves on every engine, under vLLM's names, so dashboards and autoscalers "
-        "built for vLLM read it unchanged. More families appear with the features that feed them: the "
+        "built for vLLM read it unchanged; what vLLM does not count is named `pagedserve:*`. More "
+        "families appear with the features that feed them: the "
         "CPU KV tier (`vllm:external_prefix_cache_*`, `vllm:kv_offload_*`), LoRA (`vllm:lora_requests_info`) "
         "and speculative decoding (`vllm:spec_decode_*`).\n",
         "| metric | type | help |",

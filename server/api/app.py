@@ -24,6 +24,7 @@ from pagedserve.server.api.access_log import AccessLogMiddleware
 from pagedserve.server.api.auth import APIKeyMiddleware
 from pagedserve.server.api.graceful_stop import GracefulStop
 from pagedserve.server.api.kv_events import router as kv_events_router
+from pagedserve.server.api.media import ImageLoader, MediaSettings
 from pagedserve.server.api.metrics import ServerMetrics
 from pagedserve.server.api.protocol import (
     UNSUPPORTED_FIELDS,
@@ -86,6 +87,9 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser (server/api/tool_parsers/)
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/api/reasoning_parsers/)
+    # Where image_url parts may come from, and their bounds (server/api/media.py): vLLM's
+    # --allowed-media-domains and --allowed-local-media-path.
+    media: MediaSettings = field(default_factory=MediaSettings)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (vLLM's env switch, read at start)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_lora_updating_allowed)
 
@@ -121,12 +125,14 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         limits=settings.chat_template_limits,
     )
     stop = GracefulStop(engine, settings.shutdown_grace_seconds)
+    images = ImageLoader(settings.media)
     serving = (engine, model_names, metrics, templates, stop)
     chat = OpenAIServingChat(
         *serving,
         tool_parser=settings.tool_call_parser,
         enable_auto_tool_choice=settings.enable_auto_tool_choice,
         reasoning_parser=settings.reasoning_parser,
+        images=images,
     )
     completion = OpenAIServingCompletion(*serving)
     instance = new_instance()
@@ -143,6 +149,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             yield
         finally:
             await stop.drain()  # at once if SIGTERM already drained (server/api/cli.py)
+            await images.aclose()
 
     app = FastAPI(
         title="pagedserve",

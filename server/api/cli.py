@@ -14,6 +14,7 @@ import os
 import textwrap
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from pagedserve.common.chat_template import TemplateLimits
 from pagedserve.common.engine_args import add_cli_arguments, from_cli
@@ -101,6 +102,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "having opened it)",
     )
     server.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="the only hosts image_url parts may be fetched from (exact host names); unset: any host, "
+        "as in vLLM. Other hosts get a 400",
+    )
+    server.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="image_url parts may name files (file:// URLs or paths) under this directory; unset: "
+        "files get a 400. Only for trusted clients: it lets them read image files on the server",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -131,6 +147,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_arguments(parser.add_argument_group("engine"))
 
 
+def media_settings(args: argparse.Namespace):  # -> MediaSettings (server/api/media.py imports Pillow)
+    from pagedserve.server.api.media import MediaSettings
+
+    domains = args.allowed_media_domains
+    local = args.allowed_local_media_path
+    return MediaSettings(
+        allowed_domains=frozenset(domains) if domains is not None else None,
+        allowed_local_path=Path(local) if local is not None else None,
+    )
+
+
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: it pulls torch)
     from pagedserve.server.config import EngineConfig
 
@@ -142,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("pagedserve.api")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         log.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s)", ", ".join(TOOL_PARSERS))
+        return 2
+    local_media = args.allowed_local_media_path
+    if local_media is not None and not Path(local_media).is_dir():
+        log.error("--allowed-local-media-path %s is not a directory", local_media)
         return 2
     try:
         config = engine_config(args)
@@ -168,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        media=media_settings(args),
     )
     app = build_app(engine, settings)
     stop = app.state.graceful_stop

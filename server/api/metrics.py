@@ -318,6 +318,14 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+        # vLLM has no count of images; ours, beside its names: images of chat requests, each loaded,
+        # decoded and handed to the engine.
+        self.image_inputs = Counter(
+            "pagedserve:image_inputs",
+            "Count of images in requests handed to the engine (image_url content parts, each decoded).",
+            LABELS,
+            registry=self.registry,
+        ).labels(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

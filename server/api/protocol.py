@@ -50,8 +50,8 @@ UNSUPPORTED_FIELDS = {
     "structural_tag": "send it as structured_outputs.structural_tag",
     "length_penalty": "it applies to beam search, which is not implemented",
     "prompt_embeds": "prompts are text or token ids",
-    "mm_processor_kwargs": "multimodal inputs are not supported",
-    "media_io_kwargs": "multimodal inputs are not supported",
+    "mm_processor_kwargs": "images are processed with the model's own image processor settings",
+    "media_io_kwargs": "images are loaded with the server's settings (--allowed-media-domains...)",
     "logits_processors": "custom logits processors are not supported",
     "return_tokens_as_token_ids": "not implemented",
     "return_token_ids": "not implemented",
@@ -363,11 +363,23 @@ class CompletionRequest(_SamplingFields, _StructuredOutputFields):
         return self
 
 
+class ImageURL(OpenAIBaseModel):
+    """An ``image_url`` part's image: a data: URI or an http(s) URL (server/api/media.py)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # see the module docstring
+
+    url: Text
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="accepted and ignored: the model's image processor picks the resolution"
+    )
+
+
 class ChatMessageContentPart(OpenAIBaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # see the module docstring
 
     type: Text
     text: Text | None = None
+    image_url: ImageURL | None = None  # of a part of type "image_url"
 
 
 class ChatCompletionMessageParam(OpenAIBaseModel):

@@ -152,18 +152,27 @@ def conversation_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_of(content: Any, index: int) -> str:
+def _text_of(content: Any, index: int) -> str | list[dict[str, Any]]:
+    """A message item's content as chat content: its text parts joined, or, when it has
+    ``input_image`` parts, the chat parts (``text`` and ``image_url``) in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad_item(index, "content must be a string or a list of text parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad_item(index, f"content parts of type {kind!r} are not supported: text only")
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "input_image":
+            raise _bad_item(index, "input_image parts need an image_url (file_id is not supported)")
+        else:
+            raise _bad_item(index, f"content parts of type {kind!r} are not supported: text and images only")
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _bad_item(index: int, message: str) -> APIError:

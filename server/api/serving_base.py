@@ -26,6 +26,7 @@ from pagedserve.common.chat_template import ChatTemplateError, ChatTemplateRende
 from pagedserve.common.disconnect import ClientDisconnected, run_unless_disconnected, wait_for_disconnect
 from pagedserve.common.errors import APIError, error_body
 from pagedserve.server.api.graceful_stop import GracefulStop
+from pagedserve.server.api.media import ImageRef
 from pagedserve.server.api.metrics import RequestTracker, ServerMetrics
 from pagedserve.server.api.protocol import (
     ChatCompletionMessageParam,
@@ -239,16 +240,25 @@ class OpenAIServing:
             ids = ids[-truncate:]
         return ids
 
-    async def apply_chat_template(self, request: ChatTemplateFields) -> str:
-        """The request's conversation rendered with the chat template (common/chat_template.py: in
-        a sandbox, off the event loop, bounded)."""
+    async def apply_chat_template(
+        self, request: ChatTemplateFields, conversation: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The request's conversation (``chat_conversation``'s, made here when not given) rendered with
+        the chat template (common/chat_template.py: in a sandbox, off the event loop, bounded)."""
         if request.add_generation_prompt and request.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true.",
                 400,
                 param="continue_final_message",
             )
-        conversation = [_message_dict(m) for m in request.messages]
+        if conversation is None:
+            conversation, images = chat_conversation(request.messages)
+            if images:
+                raise APIError(
+                    "Image parts are taken by /v1/chat/completions and /v1/responses only.",
+                    400,
+                    param=images[0].param,
+                )
         kwargs = request.chat_template_kwargs or {}
         if request.reasoning_effort is not None:  # chat_template_kwargs may set it too, and wins
             kwargs = {"reasoning_effort": request.reasoning_effort, **kwargs}
@@ -551,22 +561,47 @@ class OpenAIServing:
         return sse(error_body(f"Internal server error ({type(exc).__name__}): {exc}", 500))
 
 
-def _message_dict(message: ChatCompletionMessageParam) -> dict[str, Any]:
+def chat_conversation(
+    messages: list[ChatCompletionMessageParam],
+) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """The messages as the chat template reads them, and their image parts in order of appearance."""
+    conversation: list[dict[str, Any]] = []
+    images: list[ImageRef] = []
+    for index, message in enumerate(messages):
+        rendered, refs = _message_dict(message, index)
+        conversation.append(rendered)
+        images.extend(refs)
+    return conversation, images
+
+
+def _message_dict(message: ChatCompletionMessageParam, index: int) -> tuple[dict[str, Any], list[ImageRef]]:
+    """One message for the template. Text parts are joined into one string, as before; a message with
+    image parts keeps its parts as a list of ``{"type": "text", "text"}`` and ``{"type": "image"}``, the
+    shape multimodal templates (LLaVA's, Qwen2-VL's...) read to place each image's slot."""
     content = message.content
+    refs: list[ImageRef] = []
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            param = f"messages[{index}].content[{j}]"
+            if part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            elif part.type == "image_url":
+                if part.image_url is None:
+                    raise APIError(f"{param}: an image_url part needs image_url.url.", 400, param=param)
+                refs.append(ImageRef(part.image_url.url, f"{param}.image_url"))
+                parts.append({"type": "image"})
+            else:
                 raise APIError(
-                    f"Unsupported content part type {part.type!r}: only 'text' parts are supported.",
+                    f"Unsupported content part type {part.type!r}: only 'text' and 'image_url' parts are "
+                    "supported.",
                     400,
-                    param="messages",
+                    param=param,
                 )
-            texts.append(part.text)
-        content = "\n".join(texts)
+        content = parts if refs else "\n".join(part["text"] for part in parts)
     out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     for key in ("name", "tool_call_id", "tool_calls"):
         value = getattr(message, key)
         if value is not None:
             out[key] = value
-    return out
+    return out, refs

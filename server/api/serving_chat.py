@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common.errors import APIError
+from pagedserve.server.api.media import ImageLoader
 from pagedserve.server.api.protocol import ChatCompletionRequest, tool_choice_of
 from pagedserve.server.api.reasoning_parsers import REASONING_PARSERS
 from pagedserve.server.api.reasoning_parsers.base import ReasoningParser
@@ -17,6 +18,7 @@ from pagedserve.server.api.serving_base import (
     ChoiceShaper,
     OpenAIServing,
     ResponseForm,
+    chat_conversation,
 )
 from pagedserve.server.api.tool_parsers import TOOL_PARSERS
 from pagedserve.server.api.tool_parsers.base import ToolParser
@@ -49,8 +51,10 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
+        images: ImageLoader,
     ) -> None:
         super().__init__(*args)
+        self.images = images
         # vLLM's rule: "auto" reads calls out of free text, so it needs both flags (server/api/cli.py).
         self.auto_tool_parser = (
             TOOL_PARSERS[tool_parser]() if enable_auto_tool_choice and tool_parser else None
@@ -90,10 +94,26 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs set to true.", 400, param="top_logprobs")
         tool_parser = self._tool_parser(request)
 
-        prompt_text = await self.apply_chat_template(request)
-        prompt_ids = await self.tokenize(
-            prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
-        )
+        conversation, image_refs = chat_conversation(request.messages)
+        if image_refs and request.truncate_prompt_tokens is not None:
+            raise APIError(
+                "truncate_prompt_tokens cannot be used with image parts: cutting the prompt could cut an "
+                "image's tokens.",
+                400,
+                param="truncate_prompt_tokens",
+            )
+        prompt_text = await self.apply_chat_template(request, conversation)
+        prompt: dict[str, Any]
+        if image_refs:
+            # vLLM's multimodal prompt: the engine's processor tokenizes the text with the images
+            # (each image's slot expanded to its tokens) and checks --limit-mm-per-prompt.
+            images = await self.images.load(image_refs)
+            prompt = {"prompt": prompt_text, "multi_modal_data": {"image": images}}
+        else:
+            prompt_ids = await self.tokenize(
+                prompt_text, request.add_special_tokens, request.truncate_prompt_tokens
+            )
+            prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         requested = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
@@ -105,12 +125,13 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = constraint
         if tool_parser is not None and tool_parser.keeps_special_tokens:
             params.skip_special_tokens = False  # the parser reads the call markers
-        prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         (engine_stream,) = await self.add_requests([prompt], params, "messages", request, lora,
                                                    request.cache_salt)
-        tracker = self.metrics.track(len(prompt_ids), engine_stream.max_tokens, request.n)
+        self.metrics.image_inputs.inc(len(image_refs))
+        num_prompt_tokens = len(engine_stream.prompt_token_ids)  # with images: as the engine expanded them
+        tracker = self.metrics.track(num_prompt_tokens, engine_stream.max_tokens, request.n)
         stream = self.observed(engine_stream, tracker)
-        return ChatRun(stream, tool_parser, len(prompt_ids), self.response_model(lora))
+        return ChatRun(stream, tool_parser, num_prompt_tokens, self.response_model(lora))
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """What reads the calls out of the reply: none without tools or with "none"; the server's parser
