@@ -58,12 +58,13 @@ def as_images(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def process_images(hf_processor: Any, image_token_id: int, text: str,
-                   images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+def process_images(hf_processor: Any, image_token_id: int, text: str, images: list[Any],
+                   add_special_tokens: bool = True) -> tuple[list[int], list[ImageInput]]:
     """The prompt's token ids, each image's placeholder expanded, and its images; InvalidRequestError when
     the prompt's placeholders and the images do not pair up."""
     try:
-        batch = hf_processor(text=text, images=images, return_tensors="pt")
+        batch = hf_processor(text=text, images=images, return_tensors="pt",
+                             add_special_tokens=add_special_tokens)
     except (ValueError, TypeError, OSError) as exc:  # the processor's own refusals: count, format, mode
         raise InvalidRequestError(f"the images could not be processed: {exc}", param="prompt") from exc
     token_ids = [int(t) for t in batch["input_ids"][0]]

@@ -108,7 +108,10 @@ class OpenAIServingChat(OpenAIServing):
             # vLLM's multimodal prompt: the engine's processor tokenizes the text with the images
             # (each image's slot expanded to its tokens) and checks --limit-mm-per-prompt.
             images = await self.images.load(image_refs)
-            prompt = {"prompt": prompt_text, "multi_modal_data": {"image": images}}
+            # The rendered template holds its special tokens already (BOS): the text is tokenized as a
+            # text chat's is, without adding them again.
+            prompt = {"prompt": prompt_text, "multi_modal_data": {"image": images},
+                      "add_special_tokens": request.add_special_tokens}
         else:
             prompt_ids = await self.tokenize(
                 prompt_text, request.add_special_tokens, request.truncate_prompt_tokens

@@ -230,7 +230,8 @@ class Processor:
     def process_images(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """A prompt dict with vLLM's ``multi_modal_data`` -> the same with its token ids (each image's
         placeholder expanded) and ``mm_inputs``: the checkpoint's own processor over text and images (CPU
-        work the async engine runs off its loop). Refusals name the prompt."""
+        work the async engine runs off its loop). ``add_special_tokens`` (default true, as for a text
+        prompt): false for a rendered chat template, which holds them already. Refusals name the prompt."""
         data = prompt["multi_modal_data"]
         if not isinstance(data, dict) or set(data) - set(MODALITIES):
             raise InvalidRequestError(f"multi_modal_data takes {', '.join(MODALITIES)}", param="prompt")
@@ -247,9 +248,11 @@ class Processor:
         if not isinstance(prompt.get("prompt"), str):
             raise InvalidRequestError("a prompt with images needs its text as 'prompt', with a placeholder "
                                       "per image", param="prompt")
-        token_ids, mm_inputs = process_images(self.images.processor, self.images.image_token_id,
-                                              prompt["prompt"], images)
-        rest = {key: value for key, value in prompt.items() if key not in ("multi_modal_data", "prompt")}
+        images_of = self.images
+        token_ids, mm_inputs = process_images(images_of.processor, images_of.image_token_id, prompt["prompt"],
+                                              images, prompt.get("add_special_tokens", True))
+        done = ("multi_modal_data", "prompt", "add_special_tokens")
+        rest = {key: value for key, value in prompt.items() if key not in done}
         return {**rest, "prompt": prompt["prompt"], "prompt_token_ids": token_ids, "mm_inputs": mm_inputs}
 
     def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
