@@ -44,6 +44,13 @@ def takes_images(hf_config: Any) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
 
 
+def is_mrope(hf_config: Any) -> bool:
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the text config's RoPE parameters split by section."""
+    text = hf_config.get_text_config()
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return bool(params.get("mrope_section"))
+
+
 def inputs_hash(inputs: dict[str, torch.Tensor]) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(inputs):
@@ -122,3 +129,56 @@ def parse_mm_limits(value: dict[str, int] | str | None) -> dict[str, int] | None
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value.values()):
         raise ValueError(f"limit_mm_per_prompt's limits must be integers >= 0, got {value!r}")
     return value
+
+
+def mrope_positions(num_tokens: int, images: list[ImageInput], spatial_merge_size: int,
+                    ) -> tuple[torch.Tensor, int]:
+    """Every prompt position's (temporal, height, width) and the offset of the positions after the prompt
+    (HF's ``get_rope_index``, for images): text runs count on from the last position; an image's tokens
+    take its merged grid's coordinates from there, which then advance by the grid's longer side."""
+    import torch
+
+    parts: list[torch.Tensor] = []
+    current = cursor = 0
+    for image in images:
+        offset, length = image.offset, image.length
+        t, h, w = (int(n) for n in image.encoder_inputs["image_grid_thw"][0])
+        text_len = offset - cursor
+        parts.append(torch.arange(text_len).view(1, -1).expand(3, -1) + current)
+        current += text_len
+        gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        grid_t, grid_h, grid_w = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw),
+                                                indexing="ij")
+        parts.append(torch.stack([grid_t + current, grid_h + current, grid_w + current]).reshape(3, -1))
+        if parts[-1].shape[1] != length:
+            raise InvalidRequestError(f"an image's grid {t}x{h}x{w} gives {parts[-1].shape[1]} tokens, not "
+                                      f"its {length} placeholders", param="prompt")
+        current += max(gh, gw)
+        cursor = offset + length
+    parts.append(torch.arange(num_tokens - cursor).view(1, -1).expand(3, -1) + current)
+    positions = torch.cat(parts, dim=1)
+    return positions, int(positions.max()) + 1 - num_tokens
+
+
+class GridImageProcessor:
+    """Transformers' Qwen2-VL processor, for images, where it cannot be built: its constructor needs a
+    video processor, which needs torchvision even when no video is sent. The checkpoint's own image
+    processor makes the patches and grids; each image's placeholder token becomes as many tokens as its
+    grid has merged patches, which is all Qwen2VLProcessor does to the text."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, image_token: str, merge_size: int) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.image_token, self.merge_size = image_token, merge_size
+
+    def __call__(self, text: str, images: list[Any], return_tensors: str = "pt",
+                 add_special_tokens: bool = True) -> dict[str, Any]:
+        batch = dict(self.image_processor(images=images, return_tensors=return_tensors))
+        counts = [int(n) // self.merge_size**2 for n in batch["image_grid_thw"].prod(-1)]
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(counts):
+            raise ValueError(f"the text has {len(pieces) - 1} {self.image_token} tokens for {len(counts)} "
+                             "images")
+        runs = [self.image_token * n + piece for n, piece in zip(counts, pieces[1:], strict=True)]
+        encoded = self.tokenizer(pieces[0] + "".join(runs), add_special_tokens=add_special_tokens,
+                                 return_tensors=return_tensors)
+        return {"input_ids": encoded["input_ids"], **batch}

@@ -83,6 +83,10 @@ class Request:
     # (by index; held here so the runner's cache of them empties as the requests finish)
     mm_inputs: list[ImageInput] = field(default_factory=list)
     mm_features: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Multimodal RoPE (Qwen2-VL): every prompt position's [3, num_prompt] rotary positions, and the offset
+    # of the positions after the prompt (server/multimodal.py mrope_positions); None: positions are indices
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
 
     @property
     def lora_int_id(self) -> int:

@@ -186,3 +186,58 @@ def tiny_llava_checkpoint(folder: Path, text_model_type: str = "llama", seed: in
                                chat_template=LLAVA_TEMPLATE)  # fmt: skip
     processor.save_pretrained(str(folder))
     return hf
+
+
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_qwen2_vl_checkpoint(folder: Path, seed: int = 0, version: str = "2") -> Any:
+    """A tiny random Qwen2-VL (``version`` "2.5": Qwen2.5-VL, whose tower has window attention) saved with
+    its processor (images of 28 to 112 pixels a side, in 14-pixel patches merged 2x2: Transformers'
+    processor where it can be built, else its image processor and tokenizer); returns the HF model."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+    )
+
+    ids = {token: TINY_VOCAB + i for i, token in enumerate(QWEN2_VL_TOKENS)}
+    text = {**TINY, "vocab_size": TINY_VOCAB + len(QWEN2_VL_TOKENS), "num_attention_heads": 4,
+            "num_key_value_heads": 2, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    patches = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_heads": 2}
+    if version == "2":
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": TINY["hidden_size"], "mlp_ratio": 2, **patches}
+    else:  # window attention in every layer but the full-attention ones
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": TINY["hidden_size"],
+                  "intermediate_size": 48, "window_size": 56, "fullatt_block_indexes": [1], **patches}
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"],
+                          architectures=[model_class.__name__])  # fmt: skip
+    hf = random_hf_model(config, seed, model_class)
+    hf.save_pretrained(folder)
+    build_tiny_tokenizer(folder, QWEN2_VL_TOKENS, QWEN2_VL_TEMPLATE)
+    images = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                                   temporal_patch_size=2)  # fmt: skip
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        processor = Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer,
+                                     chat_template=QWEN2_VL_TEMPLATE)
+        processor.save_pretrained(str(folder))
+    except (AttributeError, ImportError, TypeError):  # its video processor needs torchvision
+        images.save_pretrained(str(folder))
+    return hf

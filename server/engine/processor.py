@@ -14,6 +14,7 @@ OpenAI 400 (server/api/serving_base.py).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.loader.generation_config import sampling_defaults
 from pagedserve.server.lora_request import LoRALoadError, LoRARequest
-from pagedserve.server.multimodal import MODALITIES, ImageInput, as_images, process_images
+from pagedserve.server.multimodal import (
+    MODALITIES,
+    GridImageProcessor,
+    ImageInput,
+    as_images,
+    mrope_positions,
+    process_images,
+)
 from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.request import Request
@@ -53,6 +61,7 @@ class ImageProcessing:
     processor: Any  # the checkpoint's AutoProcessor: image processor and tokenizer
     image_token_id: int
     limit: int | None  # images per prompt at most (--limit-mm-per-prompt); None: as many as fit
+    spatial_merge_size: int | None = None  # multimodal RoPE's (Qwen2-VL): patches merged per side
 
 
 @dataclass
@@ -184,6 +193,7 @@ class Processor:
         if isinstance(prompt, dict) and "multi_modal_data" in prompt:
             prompt = self.process_images(prompt)  # the async engine did it already, off its event loop
         mm_inputs: list[ImageInput] = prompt.get("mm_inputs", []) if isinstance(prompt, dict) else []
+        mrope = prompt.get("mrope", (None, 0)) if isinstance(prompt, dict) else (None, 0)
         text, token_ids = self._tokenize(prompt)
         cache_salt = self._cache_salt(prompt)
         arrival = arrival_time if arrival_time is not None else time.time()
@@ -191,7 +201,8 @@ class Processor:
             self._check_prompt(token_ids, room=0)
             request = Request(request_id, token_ids, POOLING_SAMPLING, 1, frozenset(),
                               RequestMetrics(arrival), cache_salt=cache_salt, lora_request=lora_request,
-                              pooling=self._pooling(params), mm_inputs=mm_inputs)
+                              pooling=self._pooling(params), mm_inputs=mm_inputs, mrope_positions=mrope[0],
+                              mrope_delta=mrope[1])
             return ProcessedRequest(request_id, text, token_ids, POOLING_SAMPLING, 1, [request])
         self._check_prompt(token_ids)
         max_tokens = self._max_tokens(params.max_tokens, len(token_ids))
@@ -222,6 +233,8 @@ class Processor:
                 prompt_logprobs=[] if params.prompt_logprobs is not None and index == 0 else None,
                 grammar=grammar.new_state(gate) if grammar is not None else None,
                 mm_inputs=mm_inputs,
+                mrope_positions=mrope[0],
+                mrope_delta=mrope[1],
             )
             for index in range(params.n)
         ]
@@ -253,7 +266,11 @@ class Processor:
                                               images, prompt.get("add_special_tokens", True))
         done = ("multi_modal_data", "prompt", "add_special_tokens")
         rest = {key: value for key, value in prompt.items() if key not in done}
-        return {**rest, "prompt": prompt["prompt"], "prompt_token_ids": token_ids, "mm_inputs": mm_inputs}
+        processed = {**rest, "prompt": prompt["prompt"], "prompt_token_ids": token_ids,
+                     "mm_inputs": mm_inputs}
+        if images_of.spatial_merge_size is not None:
+            processed["mrope"] = mrope_positions(len(token_ids), mm_inputs, images_of.spatial_merge_size)
+        return processed
 
     def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
         if isinstance(params, PoolingParams) and self.pooler is None:
@@ -413,18 +430,38 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
 def load_image_processing(config: EngineConfig, model_path: Path) -> ImageProcessing | None:
     """The checkpoint's processor when it is a vision-language model, else None."""
     from pagedserve.server.loader import load_config
-    from pagedserve.server.multimodal import takes_images
+    from pagedserve.server.multimodal import is_mrope, takes_images
 
     hf_config = load_config(model_path)
     if not takes_images(hf_config):
         return None
-    from transformers import AutoProcessor
 
     image_token_id = getattr(hf_config, "image_token_index", None)  # LLaVA's name; Qwen2-VL's is _id
     if image_token_id is None:
         image_token_id = hf_config.image_token_id
     limit = (config.limit_mm_per_prompt or {}).get("image")
-    return ImageProcessing(AutoProcessor.from_pretrained(str(model_path)), int(image_token_id), limit)
+    merge = hf_config.vision_config.spatial_merge_size if is_mrope(hf_config) else None
+    return ImageProcessing(_hf_processor(model_path, int(image_token_id), merge), int(image_token_id), limit,
+                           merge)
+
+
+def _hf_processor(model_path: Path, image_token_id: int, merge_size: int | None) -> Any:
+    """The checkpoint's AutoProcessor; for a grid model (Qwen2-VL) whose processor cannot be built without
+    torchvision, its image processor and tokenizer in server/multimodal.py's ``GridImageProcessor``."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoProcessor.from_pretrained(str(model_path))
+    except (AttributeError, ImportError, TypeError) as exc:
+        if merge_size is None:
+            raise
+        logging.getLogger("pagedserve.engine").warning(
+            "Transformers' processor of %s cannot be built (%s: torchvision is missing?); images are "
+            "processed by its image processor and tokenizer", model_path, exc)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+        return GridImageProcessor(AutoImageProcessor.from_pretrained(str(model_path)), tokenizer, image_token,
+                                  merge_size)
 
 
 def load_pooler(config: EngineConfig, model_path: Path) -> PoolerConfig | None:

@@ -124,8 +124,9 @@ class Executor:
             max_model_len=config.max_model_len or 0,
             # CUDA graphs do not capture the ranks' commands: tensor parallelism runs eagerly, for now.
             # A pooling runner never decodes, so it has no graph to replay.
+            # Multimodal RoPE's [3, T] positions are not what the decode graphs capture.
             enforce_eager=(config.enforce_eager or self.lora is not None or self.ranks is not None
-                           or config.runner == "pooling"),
+                           or config.runner == "pooling" or self.model.uses_mrope),
             calculate_kv_scales=config.calculate_kv_scales,
             lora=self.lora,
             ranks=self.ranks,

@@ -155,3 +155,41 @@ class RotaryEmbedding(nn.Module):
             q[..., :rot].contiguous(), k[..., :rot].contiguous(), positions, self.cos_sin_cache
         )
         return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): positions ``[3, T]`` (temporal, height, width), each of the
+    rotary frequencies taking its angle from one of the three as ``mrope_section`` splits them (Transformers'
+    ``apply_multimodal_rotary_pos_emb``). Text tokens have three equal positions, where it is plain RoPE:
+    1-D positions go to the wrapped table's kernel as they are."""
+
+    def __init__(self, rotary: RotaryEmbedding, mrope_section: list[int]) -> None:
+        super().__init__()
+        if sum(mrope_section) * 2 != rotary.rotary_dim:
+            raise ValueError(f"mrope_section {mrope_section} does not split the rotary dimension "
+                             f"{rotary.rotary_dim} (its sum must be half of it)")
+        self.rotary = rotary
+        self.mrope_section = list(mrope_section)
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.rotary.cos_sin_cache
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return self.rotary(positions, q, k)
+        cos, sin = self.rotary.cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [3, T, rot / 2] each
+        cos = torch.cat([part[i % 3] for i, part in enumerate(cos.split(self.mrope_section, -1))], -1)
+        sin = torch.cat([part[i % 3] for i, part in enumerate(sin.split(self.mrope_section, -1))], -1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rot = self.rotary.rotary_dim
+        return _rotated(q, cos, sin, rot), _rotated(k, cos, sin, rot)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """Neox-style rotation of ``x``'s first ``rot`` dimensions, in float32 as the kernels compute it."""
+    x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., rot:]), dim=-1) if rot < x.shape[-1] else rotated

@@ -79,6 +79,8 @@ class DecoderForCausalLM(nn.Module):
     lora_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     # Whether the model splits across tensor-parallel ranks (server/distributed/): heads, MLP, vocabulary.
     supports_tensor_parallel: ClassVar[bool] = True
+    # Multimodal RoPE (Qwen2-VL): the runner hands the model [3, T] positions (server/models/qwen2_vl.py)
+    uses_mrope: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from pagedserve.server.models.mixtral import MixtralForCausalLM
 from pagedserve.server.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.server.models.phi3 import Phi3ForCausalLM
 from pagedserve.server.models.qwen2 import Qwen2ForCausalLM
+from pagedserve.server.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedserve.server.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.server.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from torch import nn
@@ -41,6 +42,9 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # Images in: a CLIP or SigLIP tower and a projector before a Llama or Mistral decoder
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    # Transformers' vision transformer before our Qwen2 decoder, with multimodal RoPE
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
 # Each family's decoder without its head: ``<Family>Model`` in Transformers (Gemma 3's text decoder is

@@ -371,6 +371,7 @@ class ModelRunner:
         prompt_rows: list[PromptLogprobRows] = []
         pooling: list[PoolingRows] = []
         image_rows: list[tuple[int, Request, int, int, int]] = []
+        mrope_rows: list[tuple[int, int, int, Request]] = []  # (first row, start, end) of 3-D positions
         in_flight_rows: list[int] = []  # rows whose token ``previous`` is sampling, and their requests
         in_flight_ids: list[str] = []
         num_decode_items = len(decodes)
@@ -393,6 +394,8 @@ class ModelRunner:
                     in_flight_ids.append(request.request_id)
                     token_ids.append(0)  # filled in on the device, below
                 positions.append(start)
+                if request.mrope_positions is not None:
+                    mrope_rows.append((len(token_ids) - 1, start, start + 1, request))
                 if start + 1 == num_prompt + num_output + item.num_in_flight:
                     sample_indices.append(len(token_ids) - 1)
                     sampled.append(request)
@@ -410,6 +413,8 @@ class ModelRunner:
                 prompt_rows.append(wanted)
             if request.pooling is not None:
                 pooling.append(PoolingRows(request, len(token_ids), start, end - start))
+            if request.mrope_positions is not None:
+                mrope_rows.append((len(token_ids), start, end, request))
             for image_index, image in enumerate(request.mm_inputs):
                 if (part := image.rows_in(start, end)) is not None:
                     row = len(token_ids) + image.offset + part[0] - start
@@ -452,8 +457,13 @@ class ModelRunner:
             row_of = previous.row_of()
             sources = [row_of[request_id] for request_id in in_flight_ids]
             input_ids[to(torch.tensor(in_flight_rows))] = previous.device_token_ids[to(torch.tensor(sources))]
+        rope_positions = position_np
+        if self.model.uses_mrope:  # [3, T]: text rows' three positions are their index
+            rope_positions = np.tile(position_np, (3, 1))
+            for row, first, last, request in mrope_rows:
+                rope_positions[:, row : row + last - first] = _mrope_positions(request, first, last)
         return StepInputs(
-            model=ModelInputs(input_ids, to(torch.from_numpy(position_np)), meta),
+            model=ModelInputs(input_ids, to(torch.from_numpy(rope_positions)), meta),
             sample_indices=to(torch.tensor(sample_indices, dtype=torch.long)),
             sampled_requests=sampled,
             prompt_logprob_rows=prompt_rows,
@@ -468,6 +478,20 @@ class ModelRunner:
         if self.device.type == "cpu":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def _mrope_positions(request: Request, first: int, last: int) -> np.ndarray:
+    """The rotary positions ``[3, last - first]`` of a multimodal-RoPE request's positions: its prompt's
+    as the front end computed them, then each index plus the request's offset (server/multimodal.py)."""
+    assert request.mrope_positions is not None
+    out = np.empty((3, last - first), dtype=np.int64)
+    prompt_end = min(last, request.num_prompt_tokens)
+    if first < prompt_end:
+        out[:, : prompt_end - first] = request.mrope_positions[:, first:prompt_end].numpy()
+    generated = max(first, request.num_prompt_tokens)
+    if generated < last:
+        out[:, generated - first :] = np.arange(generated, last) + request.mrope_delta
+    return out
 
 
 def _adapter_of(item: ScheduledRequest) -> int:
