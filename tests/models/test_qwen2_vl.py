@@ -99,3 +99,19 @@ def test_prefix_cache_hits_only_the_same_image(checkpoint: tuple[Path, Any]) -> 
     assert other.num_cached_tokens < again.num_cached_tokens
     assert other.outputs[0].token_ids == hf_greedy(checkpoint, text, [image(5, 60, 60)])
     assert_no_leak(llm.engine)
+
+
+async def test_the_openai_client_sends_an_image_through_the_server(checkpoint: tuple[Path, Any]) -> None:
+    from pagedserve.testing.vlm import chat_with_image, png_data_uri
+
+    llm = LLM(str(checkpoint[0]), dtype="float32")
+    reply = await chat_with_image(llm, "what is ", image(6, 70, 42), " here?", NEW_TOKENS)
+    # The same request offline gives HF's tokens, and its text is what the server answered (a random
+    # model's bytes decode to partial characters, so tokens are compared where they can be).
+    text, decoded = prompt(f"what is {IMAGE} here?"), png_data_uri(image(6, 70, 42))[1]
+    (offline,) = llm.generate(request(text, [decoded]), GREEDY)
+    assert offline.outputs[0].token_ids == hf_greedy(checkpoint, text, [decoded])
+    assert reply.choices[0].message.content == offline.outputs[0].text
+    gc.collect()
+    assert len(llm.engine.core.executor.runner.encoder_cache) == 0
+    assert_no_leak(llm.engine)
