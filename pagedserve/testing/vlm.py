@@ -1,11 +1,15 @@
-"""A vision-language model's chat through the server with the openai client, in process over a real
-engine (tests/models/test_llava.py, tests/models/test_qwen2_vl.py)."""
+"""A vision-language model through the server, in process over a real engine, with data-URI images
+(tests/models/test_llava.py, tests/models/test_qwen2_vl.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
+
+GREEDY_FIELDS = {"temperature": 0, "ignore_eos": True}
 
 
 def png_data_uri(image: Any) -> tuple[str, Any]:
@@ -18,30 +22,36 @@ def png_data_uri(image: Any) -> tuple[str, Any]:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), decoded
 
 
-async def chat_with_image(llm: Any, before: str, image: Any, after: str, max_tokens: int) -> Any:
-    """One user message ``before`` + the image (a data-URI part) + ``after``, greedy and ignoring EOS,
-    through the OpenAI server app over ``llm``'s engine core; the openai client's ChatCompletion."""
+@asynccontextmanager
+async def in_process_server(llm: Any) -> AsyncIterator[Any]:
+    """An httpx client of the OpenAI server app over ``llm``'s engine core (started, then shut down)."""
     import httpx
-    import openai
 
     from pagedserve.server.api.app import ServerSettings, build_app
     from pagedserve.server.engine.async_engine import AsyncEngine
 
-    url, _ = png_data_uri(image)
-    content = [{"type": "text", "text": before}, {"type": "image_url", "image_url": {"url": url}},
-               {"type": "text", "text": after}]  # fmt: skip
     engine = AsyncEngine(llm.engine.core, llm.engine.tokenizer, llm.engine.processor)
     await engine.start()
     try:
         app = build_app(engine, ServerSettings(access_log=False))
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http,
-                                        max_retries=0)
-            return await client.chat.completions.create(
-                model=llm.engine.core.config.served_model_name,
-                messages=[{"role": "user", "content": content}],
-                max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
-            )
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=120) as http:  # fmt: skip
+            yield http
     finally:
         await engine.shutdown(grace_seconds=0)
+
+
+async def chat_with_image(http: Any, before: str, image: Any, after: str, max_tokens: int) -> Any:
+    """One user message ``before`` + the image (a data-URI part) + ``after``, greedy and ignoring EOS,
+    sent by the openai client; its ChatCompletion."""
+    import openai
+
+    url, _ = png_data_uri(image)
+    content = [{"type": "text", "text": before}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": after}]  # fmt: skip
+    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
+    models = await client.models.list()
+    return await client.chat.completions.create(
+        model=models.data[0].id, messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+        temperature=0, extra_body={"ignore_eos": True},
+    )

@@ -134,7 +134,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
         reasoning_parser=settings.reasoning_parser,
         images=images,
     )
-    completion = OpenAIServingCompletion(*serving)
+    completion = OpenAIServingCompletion(*serving, images=images)
     instance = new_instance()
     responses = OpenAIServingResponses(chat, instance)
     tokenization = OpenAIServingTokenization(*serving)

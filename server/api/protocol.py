@@ -346,6 +346,13 @@ class _StructuredOutputFields(RequestModel):
     )
 
 
+class MultiModalData(RequestModel):
+    """A completion prompt's images, by URL (data:, http(s), or a file under --allowed-local-media-path), in
+    the order of the prompt's image placeholders: the offline LLM's ``multi_modal_data`` over HTTP."""
+
+    image: Text | list[Text]
+
+
 class CompletionRequest(_SamplingFields, _StructuredOutputFields):
     """POST /v1/completions (OpenAI's legacy completions)."""
 
@@ -355,6 +362,9 @@ class CompletionRequest(_SamplingFields, _StructuredOutputFields):
     max_tokens: int | None = Field(16, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     suffix: Text | None = None
     add_special_tokens: bool = True
+    multi_modal_data: MultiModalData | None = Field(
+        None, description="a vision-language model's images for a single text prompt, by URL"
+    )
 
     @model_validator(mode="after")
     def _max_tokens_zero_only_with_echo(self) -> CompletionRequest:

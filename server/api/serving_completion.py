@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.common.errors import APIError
+from pagedserve.server.api.media import ImageLoader, ImageRef
 from pagedserve.server.api.protocol import CompletionRequest
 from pagedserve.server.api.serving_base import (
     ChoiceShaper,
@@ -40,12 +41,19 @@ class _Prompt:
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    def __init__(self, *args: Any, images: ImageLoader) -> None:
+        super().__init__(*args)
+        self.images = images
+
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         lora = self.check_model(request.model)
         self.check_request(request)
         if request.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix")
         prompts = await self._prompts(request)
+        engine_inputs = [p.engine_input() for p in prompts]
+        if request.multi_modal_data is not None:
+            engine_inputs = [await self._with_images(request)]
         params = self.sampling_params(
             request,
             1 if _echo_only(request) else request.max_tokens,
@@ -53,8 +61,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=request.logprobs if request.echo else None,
         )
         engine_streams = await self.add_requests(
-            [p.engine_input() for p in prompts], params, "prompt", request, lora, request.cache_salt
+            engine_inputs, params, "prompt", request, lora, request.cache_salt
         )
+        if request.multi_modal_data is not None:  # the processor expanded the images' placeholders
+            prompts = [_Prompt(self, prompts[0].text, engine_streams[0].prompt_token_ids)]
+            self.metrics.image_inputs.inc(len(engine_inputs[0]["multi_modal_data"]["image"]))
         streams = [
             self.observed(s, self.metrics.track(len(s.prompt_token_ids), s.max_tokens, request.n))
             for s in engine_streams
@@ -70,6 +81,22 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.response_model(lora),
         )
         return await self.respond(raw_request, streams, form, request.stream_options)
+
+    async def _with_images(self, request: CompletionRequest) -> dict[str, Any]:
+        """The one text prompt with its images (vLLM's ``multi_modal_data``), for the engine's processor."""
+        assert request.multi_modal_data is not None
+        if not isinstance(request.prompt, str):
+            raise APIError("multi_modal_data needs a single text prompt, with a placeholder per image.", 400,
+                           param="prompt")
+        if request.truncate_prompt_tokens is not None:
+            raise APIError("truncate_prompt_tokens cannot cut a prompt with images.", 400,
+                           param="truncate_prompt_tokens")
+        urls = request.multi_modal_data.image
+        urls = [urls] if isinstance(urls, str) else urls
+        refs = [ImageRef(url, f"multi_modal_data.image[{i}]") for i, url in enumerate(urls)]
+        images = await self.images.load(refs)
+        return {"prompt": request.prompt, "multi_modal_data": {"image": images},
+                "add_special_tokens": request.add_special_tokens}
 
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
         """The batch's prompts; text is tokenized here (the engine checks every prompt)."""

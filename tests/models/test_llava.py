@@ -113,10 +113,11 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
 async def test_the_openai_client_sends_an_image_through_the_server(checkpoint: tuple[Path, Any]) -> None:
     """A data-URI image part through the server, in-process over a real engine: the answer is HF's greedy
     reply to the same rendered prompt and image; the KV blocks and the encoder cache empty after."""
-    from pagedserve.testing.vlm import chat_with_image, png_data_uri
+    from pagedserve.testing.vlm import chat_with_image, in_process_server, png_data_uri
 
     llm = LLM(str(checkpoint[0]), dtype="float32")
-    reply = await chat_with_image(llm, "what is ", image(6), " here?", NEW_TOKENS)
+    async with in_process_server(llm) as http:
+        reply = await chat_with_image(http, "what is ", image(6), " here?", NEW_TOKENS)
     # The same request offline gives HF's tokens, and its text is what the server answered (a random
     # model's bytes decode to partial characters, so tokens are compared where they can be).
     text, decoded = prompt("what is <image> here?"), png_data_uri(image(6))[1]
@@ -126,4 +127,26 @@ async def test_the_openai_client_sends_an_image_through_the_server(checkpoint: t
     assert reply.usage.prompt_tokens == len(llm.get_tokenizer().encode(text)) + 3  # 1 placeholder, 4 tokens
     gc.collect()
     assert len(llm.engine.core.executor.runner.encoder_cache) == 0
+    assert_no_leak(llm.engine)
+
+
+async def test_a_completion_prompt_takes_images_by_url(checkpoint: tuple[Path, Any]) -> None:
+    """/v1/completions with ``multi_modal_data`` (the offline LLM's, images by URL): the offline request's
+    tokens and text; a batch of prompts or token ids with images is a 400 naming the prompt."""
+    from pagedserve.testing.vlm import GREEDY_FIELDS, in_process_server, png_data_uri
+
+    llm = LLM(str(checkpoint[0]), dtype="float32")
+    text = prompt("first <image> then <image>?")
+    (url_a, image_a), (url_b, image_b) = png_data_uri(image(7)), png_data_uri(image(8, (50, 20)))
+    body = {"prompt": text, "max_tokens": NEW_TOKENS, "multi_modal_data": {"image": [url_a, url_b]},
+            **GREEDY_FIELDS}  # fmt: skip
+    async with in_process_server(llm) as http:
+        response = await http.post("/v1/completions", json=body)
+        batch = await http.post("/v1/completions", json={**body, "prompt": [text, text]})
+    assert response.status_code == 200, response.text
+    (offline,) = llm.generate(request(text, [image_a, image_b]), GREEDY)
+    assert offline.outputs[0].token_ids == hf_greedy(checkpoint, text, [image_a, image_b])
+    assert response.json()["choices"][0]["text"] == offline.outputs[0].text
+    assert response.json()["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == "prompt"
     assert_no_leak(llm.engine)

@@ -102,10 +102,11 @@ def test_prefix_cache_hits_only_the_same_image(checkpoint: tuple[Path, Any]) -> 
 
 
 async def test_the_openai_client_sends_an_image_through_the_server(checkpoint: tuple[Path, Any]) -> None:
-    from pagedserve.testing.vlm import chat_with_image, png_data_uri
+    from pagedserve.testing.vlm import chat_with_image, in_process_server, png_data_uri
 
     llm = LLM(str(checkpoint[0]), dtype="float32")
-    reply = await chat_with_image(llm, "what is ", image(6, 70, 42), " here?", NEW_TOKENS)
+    async with in_process_server(llm) as http:
+        reply = await chat_with_image(http, "what is ", image(6, 70, 42), " here?", NEW_TOKENS)
     # The same request offline gives HF's tokens, and its text is what the server answered (a random
     # model's bytes decode to partial characters, so tokens are compared where they can be).
     text, decoded = prompt(f"what is {IMAGE} here?"), png_data_uri(image(6, 70, 42))[1]
