@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import operator
 import re
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,23 @@ def human_bytes(value: str) -> int:
 
 def bytes_as_gib(value: str) -> float:
     return human_bytes(value) / GIB
+
+
+def json_object(name: str, value: Any, keys: Collection[str]) -> dict[str, Any] | None:
+    """A setting given as a JSON object: its text (as its flag gives it) or a dict (as ``LLM(...)`` takes
+    it), checked to be an object of ``keys`` only; None stays None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    if unknown := set(value) - set(keys):
+        raise ValueError(f"{name} takes {', '.join(keys)}, not {', '.join(sorted(unknown))}")
+    return value
 
 
 def task_runner(value: str) -> str:

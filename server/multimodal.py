@@ -14,10 +14,10 @@ a step computes; the prefix cache mixes the hash into the hash of every block th
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.common.engine_args import json_object
 from pagedserve.server.exceptions import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -116,16 +116,9 @@ MODALITIES = ("image",)
 
 def parse_mm_limits(value: dict[str, int] | str | None) -> dict[str, int] | None:
     """``--limit-mm-per-prompt``'s JSON (or the dict ``LLM(limit_mm_per_prompt=...)`` takes), checked."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {exc}") from exc
+    value = json_object("limit_mm_per_prompt", value, MODALITIES)
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) - set(MODALITIES):
-        raise ValueError(f"limit_mm_per_prompt must be a JSON object of {', '.join(MODALITIES)} counts, "
-                         f"got {value!r}")
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value.values()):
         raise ValueError(f"limit_mm_per_prompt's limits must be integers >= 0, got {value!r}")
     return value

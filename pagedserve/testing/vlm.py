@@ -55,3 +55,14 @@ async def chat_with_image(http: Any, before: str, image: Any, after: str, max_to
         model=models.data[0].id, messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
         temperature=0, extra_body={"ignore_eos": True},
     )
+
+
+def assert_greedy_batch(llm: Any, requests: list[Any], expected: list[list[int]], params: Any) -> None:
+    """``requests`` in one batch give ``expected`` tokens; after them no image's features stay cached."""
+    import gc
+
+    outputs = llm.generate(requests, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    del outputs
+    gc.collect()
+    assert len(llm.engine.core.executor.runner.encoder_cache) == 0  # features leave with their requests

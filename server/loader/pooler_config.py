@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.common.engine_args import json_object
 from pagedserve.server.pooling_params import POOLING_TYPES
 
 _ST = "sentence_transformers.models."
@@ -101,16 +102,7 @@ def _matryoshka_dimensions(hf_config: Any) -> tuple[int, ...] | None:
 
 def parse_pooler_config(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
     """``--pooler-config``'s JSON text (or the dict ``LLM(pooler_config=...)`` takes), checked."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"pooler_config is not valid JSON: {exc}") from exc
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object, got {type(value).__name__}")
-    if value is not None and (unknown := set(value) - {"pooling_type", "normalize"}):
-        raise ValueError(f"pooler_config takes pooling_type and normalize, not {', '.join(sorted(unknown))}")
-    return value
+    return json_object("pooler_config", value, ("pooling_type", "normalize"))
 
 
 def resolve_runner(runner: str, model_path: str | Path, hf_config: Any) -> str:

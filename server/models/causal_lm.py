@@ -81,6 +81,9 @@ class DecoderForCausalLM(nn.Module):
     supports_tensor_parallel: ClassVar[bool] = True
     # Multimodal RoPE (Qwen2-VL): the runner hands the model [3, T] positions (server/models/qwen2_vl.py)
     uses_mrope: ClassVar[bool] = False
+    # A vision-language model's encoder (its module ``encoder``, Transformers' own): the checkpoint-name
+    # prefixes of its tensors, which ``load_weights`` hands to ``load_encoder`` whole (server/models/llava.py)
+    encoder_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -180,7 +183,11 @@ class DecoderForCausalLM(nn.Module):
         mismatch, or parameters the checkpoint did not provide.
         """
         loaded: set[WeightKey] = set()
+        encoder: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
+            if self.encoder_prefixes and name.startswith(self.encoder_prefixes):
+                encoder[name] = tensor
+                continue
             key = self.route_weight(name)
             if key is None:
                 continue
@@ -196,6 +203,13 @@ class DecoderForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: {shown}")
+        if self.encoder_prefixes:
+            self.load_encoder(encoder)
+
+    def load_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The encoder's checkpoint tensors, by checkpoint name; a ValueError naming any that does not fit
+        and any the encoder lacks. Only for a class that declares ``encoder_prefixes``."""
+        raise NotImplementedError(f"{type(self).__name__} has no encoder")
 
     def checkpoint_piece(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, size) of checkpoint tensor ``name`` that this tensor-parallel rank holds, so the
@@ -232,6 +246,8 @@ class DecoderForCausalLM(nn.Module):
         """Checkpoint name -> (module path, parameter, shard) for every parameter to load."""
         expected: dict[str, WeightKey] = {}
         for full_name, _ in self.named_parameters():
+            if full_name.startswith("encoder."):  # checked by load_encoder
+                continue
             module_path, _, param_name = full_name.rpartition(".")
             stacked = [
                 (original, index)

@@ -15,7 +15,6 @@ Checkpoint names: Transformers' LLaVA checkpoints name the decoder ``language_mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -83,6 +82,7 @@ class VisionEncoder(nn.Module):
 class LlavaForConditionalGeneration(DecoderForCausalLM):
     # The encoder's modules are Transformers', which do not split across ranks
     supports_tensor_parallel: ClassVar[bool] = False
+    encoder_prefixes: ClassVar[tuple[str, ...]] = _ENCODER_PREFIXES
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  backend: Backend) -> None:
@@ -102,19 +102,8 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         """One image's features ``[tokens, hidden]`` (server/multimodal.py ``ImageInput.encoder_inputs``)."""
         return self.encoder(pixel_values)[0]
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        encoder: dict[str, torch.Tensor] = {}
-
-        def decoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(_ENCODER_PREFIXES):
-                    encoder[name.removeprefix("model.")] = tensor
-                else:
-                    yield name, tensor
-
-        super().load_weights(decoder_weights())
-        self.encoder.load_checkpoint(encoder)
+    def load_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.encoder.load_checkpoint({name.removeprefix("model."): t for name, t in tensors.items()})
 
     def route_weight(self, name: str) -> WeightKey | None:
         for prefix in _DECODER_PREFIXES:
@@ -124,8 +113,3 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
             if name.startswith(prefix):
                 return super().route_weight("lm_head." + name[len(prefix) :])
         return super().route_weight(name)
-
-    def expected_weights(self) -> dict[str, WeightKey]:
-        """The decoder's: the encoder's are checked by ``VisionEncoder.load_checkpoint``."""
-        expected = super().expected_weights()
-        return {name: key for name, key in expected.items() if not name.startswith("encoder.")}

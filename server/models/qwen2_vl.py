@@ -14,7 +14,6 @@ Checkpoint names: the decoder ``model.language_model.*`` (newer) or ``model.*`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +29,7 @@ _ENCODER_PREFIXES = ("model.visual.", "visual.")
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_tensor_parallel: ClassVar[bool] = False  # the tower is Transformers', on one rank
     uses_mrope: ClassVar[bool] = True
+    encoder_prefixes: ClassVar[tuple[str, ...]] = _ENCODER_PREFIXES
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  backend: Backend) -> None:
@@ -47,19 +47,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         dtype = next(self.encoder.parameters()).dtype
         return self.encoder(pixel_values.to(dtype), grid_thw=image_grid_thw).pooler_output
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        encoder: dict[str, torch.Tensor] = {}
-
-        def decoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(_ENCODER_PREFIXES):
-                    encoder[name.removeprefix("model.").removeprefix("visual.")] = tensor
-                else:
-                    yield name, tensor
-
-        super().load_weights(decoder_weights())
-        missing, unexpected = self.encoder.load_state_dict(encoder, strict=False)
+    def load_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
+        state = {name.removeprefix("model.").removeprefix("visual."): t for name, t in tensors.items()}
+        missing, unexpected = self.encoder.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"the vision tower's weights do not match: missing {missing[:8]}, "
                              f"unknown {unexpected[:8]}")
@@ -69,9 +59,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             name = "model." + name[len("model.language_model.") :]
         return super().route_weight(name)
 
-    def expected_weights(self) -> dict[str, WeightKey]:
-        expected = super().expected_weights()
-        return {name: key for name, key in expected.items() if not name.startswith("encoder.")}
 
 
 def vision_tower(vision_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -17,6 +17,7 @@ from PIL import Image
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_models import tiny_llava_checkpoint
+from pagedserve.testing.vlm import assert_greedy_batch
 from tests.engine.test_engine import assert_no_leak
 
 NEW_TOKENS = 8
@@ -68,11 +69,7 @@ CASES = [
 def test_greedy_tokens_equal_hf(checkpoint: tuple[Path, Any], engine_args: dict[str, Any]) -> None:
     expected = [hf_greedy(checkpoint, text, images) for text, images in CASES]
     llm = LLM(str(checkpoint[0]), dtype="float32", **engine_args)
-    outputs = llm.generate([request(text, images) for text, images in CASES], GREEDY)  # one batch
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    del outputs
-    gc.collect()
-    assert len(llm.engine.core.executor.runner.encoder_cache) == 0  # features leave with their requests
+    assert_greedy_batch(llm, [request(text, images) for text, images in CASES], expected, GREEDY)
     assert_no_leak(llm.engine)
 
 

@@ -21,6 +21,7 @@ from PIL import Image
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_models import QWEN2_VL_TOKENS, TINY_VOCAB, tiny_qwen2_vl_checkpoint
+from pagedserve.testing.vlm import assert_greedy_batch
 from tests.engine.test_engine import assert_no_leak
 
 NEW_TOKENS = 8
@@ -79,11 +80,7 @@ CASES = [
 def test_greedy_tokens_equal_hf(checkpoint: tuple[Path, Any], engine_args: dict[str, Any]) -> None:
     expected = [hf_greedy(checkpoint, text, images) for text, images in CASES]
     llm = LLM(str(checkpoint[0]), dtype="float32", **engine_args)
-    outputs = llm.generate([request(text, images) for text, images in CASES], GREEDY)  # one batch
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    del outputs
-    gc.collect()
-    assert len(llm.engine.core.executor.runner.encoder_cache) == 0
+    assert_greedy_batch(llm, [request(text, images) for text, images in CASES], expected, GREEDY)
     assert_no_leak(llm.engine)
 
 
