@@ -26,6 +26,12 @@ TINY = dict(
 )
 
 
+# The engine settings of a tiny model's test: float32, as HF computes it, and a KV cache of 4 MiB (thousands
+# of a tiny model's tokens) instead of the CPU default of 1 GiB, which a suite of such engines would not fit
+# in memory.
+TINY_ENGINE: dict[str, Any] = {"dtype": "float32", "kv_cache_memory_bytes": 4 << 20}
+
+
 def random_hf_model(config: Any, seed: int = 0, model_class: Any = None) -> Any:
     """An HF model (eager attention) whose every parameter, biases and norm weights too, is random and
     O(1)-safe. ``config.architectures`` must name the class (or ``model_class`` be it)."""

@@ -16,7 +16,7 @@ from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import SamplingParams
 
 from pagedserve import LLM
-from pagedserve.testing.tiny_models import tiny_embedding_checkpoint
+from pagedserve.testing.tiny_models import TINY_ENGINE, tiny_embedding_checkpoint
 from tests.engine.test_engine import assert_no_leak
 
 TEXTS = [
@@ -66,7 +66,7 @@ def embedder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 ])  # fmt: skip
 def test_embeddings_equal_sentence_transformers(embedder: Path, engine_args: dict) -> None:
     reference = sentence_transformers_embeddings(embedder, TEXTS)
-    llm = LLM(str(embedder), **engine_args)
+    llm = LLM(str(embedder), **TINY_ENGINE, **engine_args)
     assert llm.engine.core.config.runner == "pooling"  # --runner auto: modules.json says so
     assert_close(embeddings(llm, TEXTS), reference)  # batched
     assert_close([embeddings(llm, [text])[0] for text in TEXTS], reference)  # one at a time
@@ -101,13 +101,13 @@ def test_last_token_pooling_reuses_cached_prefixes(tmp_path: Path) -> None:
     position again (a hit would leave the sum without them)."""
     folder = tiny_embedding_checkpoint(tmp_path, pooling="lasttoken")
     reference = sentence_transformers_embeddings(folder, [TEXTS[1]])
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), **TINY_ENGINE)
     first = embeddings(llm, [TEXTS[1]])
     hits_before = llm.engine.stats().prefix_cache_hits
     assert_close(embeddings(llm, [TEXTS[1]]), reference)
     assert llm.engine.stats().prefix_cache_hits > hits_before
     assert_close(first, reference)
-    mean = LLM(str(folder), pooler_config={"pooling_type": "MEAN"})
+    mean = LLM(str(folder), **TINY_ENGINE, pooler_config={"pooling_type": "MEAN"})
     embeddings(mean, [TEXTS[1]])
     embeddings(mean, [TEXTS[1]])
     assert mean.engine.stats().prefix_cache_hits == 0
@@ -117,7 +117,8 @@ def test_last_token_pooling_reuses_cached_prefixes(tmp_path: Path) -> None:
 def test_pooler_config_overrides_the_checkpoint(tmp_path: Path) -> None:
     folder = tiny_embedding_checkpoint(tmp_path, pooling="lasttoken", normalize=True)
     mean_folder = tiny_embedding_checkpoint(tmp_path / "mean", pooling="mean_tokens", normalize=False)
-    llm = LLM(str(folder), pooler_config=json.dumps({"pooling_type": "MEAN", "normalize": False}))
+    override = json.dumps({"pooling_type": "MEAN", "normalize": False})
+    llm = LLM(str(folder), **TINY_ENGINE, pooler_config=override)
     # the same random weights (seed 0) saved with mean pooling and no Normalize module
     assert_close(embeddings(llm, TEXTS), sentence_transformers_embeddings(mean_folder, TEXTS))
     unit = embeddings(llm, TEXTS, PoolingParams(normalize=True))
@@ -126,7 +127,7 @@ def test_pooler_config_overrides_the_checkpoint(tmp_path: Path) -> None:
 
 def test_matryoshka_dimensions(tmp_path: Path) -> None:
     folder = tiny_embedding_checkpoint(tmp_path / "m", matryoshka_dimensions=[16, 32, 64])
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), **TINY_ENGINE)
     full = np.asarray(embeddings(llm, TEXTS, PoolingParams(normalize=False)))
     cut = np.asarray(embeddings(llm, TEXTS, PoolingParams(dimensions=32)))
     expected = full[:, :32] / np.linalg.norm(full[:, :32], axis=1, keepdims=True)  # cut, then normalized
@@ -134,28 +135,29 @@ def test_matryoshka_dimensions(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="one of 16, 32, 64") as refused:
         llm.embed("x", PoolingParams(dimensions=20))
     assert refused.value.param == "dimensions"
-    plain = LLM(str(tiny_embedding_checkpoint(tmp_path / "plain")))
+    plain = LLM(str(tiny_embedding_checkpoint(tmp_path / "plain")), **TINY_ENGINE)
     with pytest.raises(InvalidRequestError, match="matryoshka"):
         plain.embed("x", PoolingParams(dimensions=32))
 
 
 def test_each_runner_takes_only_its_requests(tmp_path: Path) -> None:
     folder = tiny_embedding_checkpoint(tmp_path)
-    pooling = LLM(str(folder))
+    pooling = LLM(str(folder), **TINY_ENGINE)
     with pytest.raises(InvalidRequestError, match="pooling runner"):
         pooling.generate("hello", SamplingParams(max_tokens=2))
-    generating = LLM(str(folder), runner="generate")  # the same Qwen3ForCausalLM checkpoint, sampled
+    # the same Qwen3ForCausalLM checkpoint, sampled
+    generating = LLM(str(folder), **TINY_ENGINE, runner="generate")
     assert len(generating.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
     with pytest.raises(InvalidRequestError, match="generate runner"):
         generating.embed("hello")
     base = tiny_embedding_checkpoint(tmp_path / "base", base_model=True)
     with pytest.raises(ValueError, match="base model without an LM head"):
-        LLM(str(base), runner="generate")
+        LLM(str(base), **TINY_ENGINE, runner="generate")
 
 
 def test_a_prompt_as_long_as_the_context_is_pooled(tmp_path: Path) -> None:
     """A pooling request generates nothing, so its prompt may fill max_model_len (not one more)."""
-    llm = LLM(str(tiny_embedding_checkpoint(tmp_path)), max_model_len=64)
+    llm = LLM(str(tiny_embedding_checkpoint(tmp_path)), **TINY_ENGINE, max_model_len=64)
     assert len(embeddings(llm, [{"prompt_token_ids": list(range(64))}])[0]) == 64
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.embed({"prompt_token_ids": list(range(65))})
@@ -168,12 +170,12 @@ def test_unsupported_sentence_transformers_modules_are_refused(tmp_path: Path) -
     modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="Dense"):
-        LLM(str(folder))
+        LLM(str(folder), **TINY_ENGINE)
 
 
 def test_score_is_the_cosine_of_the_embeddings(tmp_path: Path) -> None:
     folder = tiny_embedding_checkpoint(tmp_path)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), **TINY_ENGINE)
     vectors = np.asarray(embeddings(llm, TEXTS))
     scores = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS)]
     np.testing.assert_allclose(scores, vectors @ vectors[0], rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from pagedserve.server.exceptions import InvalidRequestError
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.testing.tiny_models import tiny_llava_checkpoint
+from pagedserve.testing.tiny_models import TINY_ENGINE, tiny_llava_checkpoint
 from pagedserve.testing.vlm import assert_greedy_batch
 from tests.engine.test_engine import assert_no_leak
 
@@ -68,14 +68,14 @@ CASES = [
 ])  # fmt: skip
 def test_greedy_tokens_equal_hf(checkpoint: tuple[Path, Any], engine_args: dict[str, Any]) -> None:
     expected = [hf_greedy(checkpoint, text, images) for text, images in CASES]
-    llm = LLM(str(checkpoint[0]), dtype="float32", **engine_args)
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE, **engine_args)
     assert_greedy_batch(llm, [request(text, images) for text, images in CASES], expected, GREEDY)
     assert_no_leak(llm.engine)
 
 
 def test_prefix_cache_hits_only_the_same_image(checkpoint: tuple[Path, Any]) -> None:
     text = prompt("a long enough question before the picture: <image> what is it?")
-    llm = LLM(str(checkpoint[0]), dtype="float32", block_size=8)
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE, block_size=8)
     (first,) = llm.generate(request(text, [image(4)]), GREEDY)
     assert first.num_cached_tokens == 0
     (again,) = llm.generate(request(text, [image(4)]), GREEDY)
@@ -89,7 +89,7 @@ def test_prefix_cache_hits_only_the_same_image(checkpoint: tuple[Path, Any]) -> 
 
 
 def test_image_requests_are_checked(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
-    llm = LLM(str(checkpoint[0]), dtype="float32", limit_mm_per_prompt='{"image": 1}')
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE, limit_mm_per_prompt='{"image": 1}')
     with pytest.raises(InvalidRequestError, match="At most 1 images"):
         llm.generate(request(prompt("<image> <image>"), [image(0), image(1)]), GREEDY)
     with pytest.raises(InvalidRequestError, match=r"could not be processed.*2 <image> tokens and 1 images"):
@@ -102,7 +102,7 @@ def test_image_requests_are_checked(checkpoint: tuple[Path, Any], tmp_path: Path
 def test_a_text_model_refuses_images(tmp_path: Path) -> None:
     from pagedserve.testing.tiny_models import tiny_embedding_checkpoint
 
-    llm = LLM(str(tiny_embedding_checkpoint(tmp_path)), runner="generate")
+    llm = LLM(str(tiny_embedding_checkpoint(tmp_path)), runner="generate", **TINY_ENGINE)
     with pytest.raises(InvalidRequestError, match="text only"):
         llm.generate(request("look <image>", [image(0)]), GREEDY)
 
@@ -112,7 +112,7 @@ async def test_the_openai_client_sends_an_image_through_the_server(checkpoint: t
     reply to the same rendered prompt and image; the KV blocks and the encoder cache empty after."""
     from pagedserve.testing.vlm import chat_with_image, in_process_server, png_data_uri
 
-    llm = LLM(str(checkpoint[0]), dtype="float32")
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE)
     async with in_process_server(llm) as http:
         reply = await chat_with_image(http, "what is ", image(6), " here?", NEW_TOKENS)
     # The same request offline gives HF's tokens, and its text is what the server answered (a random
@@ -132,7 +132,7 @@ async def test_a_completion_prompt_takes_images_by_url(checkpoint: tuple[Path, A
     tokens and text; a batch of prompts or token ids with images is a 400 naming the prompt."""
     from pagedserve.testing.vlm import GREEDY_FIELDS, in_process_server, png_data_uri
 
-    llm = LLM(str(checkpoint[0]), dtype="float32")
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE)
     text = prompt("first <image> then <image>?")
     (url_a, image_a), (url_b, image_b) = png_data_uri(image(7)), png_data_uri(image(8, (50, 20)))
     body = {"prompt": text, "max_tokens": NEW_TOKENS, "multi_modal_data": {"image": [url_a, url_b]},

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.testing.tiny_models import QWEN2_VL_TOKENS, TINY_VOCAB, tiny_qwen2_vl_checkpoint
+from pagedserve.testing.tiny_models import QWEN2_VL_TOKENS, TINY_ENGINE, TINY_VOCAB, tiny_qwen2_vl_checkpoint
 from pagedserve.testing.vlm import assert_greedy_batch
 from tests.engine.test_engine import assert_no_leak
 
@@ -79,14 +79,14 @@ CASES = [
 ])  # fmt: skip
 def test_greedy_tokens_equal_hf(checkpoint: tuple[Path, Any], engine_args: dict[str, Any]) -> None:
     expected = [hf_greedy(checkpoint, text, images) for text, images in CASES]
-    llm = LLM(str(checkpoint[0]), dtype="float32", **engine_args)
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE, **engine_args)
     assert_greedy_batch(llm, [request(text, images) for text, images in CASES], expected, GREEDY)
     assert_no_leak(llm.engine)
 
 
 def test_prefix_cache_hits_only_the_same_image(checkpoint: tuple[Path, Any]) -> None:
     text = prompt(f"a question long enough to fill a block: {IMAGE} what is it?")
-    llm = LLM(str(checkpoint[0]), dtype="float32", block_size=8)
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE, block_size=8)
     (first,) = llm.generate(request(text, [image(4, 60, 60)]), GREEDY)
     (again,) = llm.generate(request(text, [image(4, 60, 60)]), GREEDY)
     assert again.num_cached_tokens > first.num_cached_tokens == 0
@@ -101,7 +101,7 @@ def test_prefix_cache_hits_only_the_same_image(checkpoint: tuple[Path, Any]) -> 
 async def test_the_openai_client_sends_an_image_through_the_server(checkpoint: tuple[Path, Any]) -> None:
     from pagedserve.testing.vlm import chat_with_image, in_process_server, png_data_uri
 
-    llm = LLM(str(checkpoint[0]), dtype="float32")
+    llm = LLM(str(checkpoint[0]), **TINY_ENGINE)
     async with in_process_server(llm) as http:
         reply = await chat_with_image(http, "what is ", image(6, 70, 42), " here?", NEW_TOKENS)
     # The same request offline gives HF's tokens, and its text is what the server answered (a random

@@ -18,7 +18,7 @@ import pytest
 from pagedserve.server.api.reasoning_parsers import REASONING_PARSERS
 
 from pagedserve import LLM
-from pagedserve.testing.tiny_models import tiny_reasoning_checkpoint
+from pagedserve.testing.tiny_models import TINY_ENGINE, tiny_reasoning_checkpoint
 
 THINK, END_THINK = 259, 260  # tiny_reasoning_checkpoint's <think> and </think>
 MSGS = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -27,7 +27,7 @@ SEEDS = range(16)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    return LLM(str(tiny_reasoning_checkpoint(tmp_path_factory.mktemp("qwen3-think"))))
+    return LLM(str(tiny_reasoning_checkpoint(tmp_path_factory.mktemp("qwen3-think"))), **TINY_ENGINE)
 
 
 @pytest.fixture
