@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pagedserve.common.engine_args import GIB, EngineArgs
-from pagedserve.server.loader.pooler_config import parse_pooler_config
+from pagedserve.common.engine_args import GIB, EngineArgs, json_object
 from pagedserve.server.lora_request import LoRAModulePath
 from pagedserve.server.multimodal import parse_mm_limits
+from pagedserve.server.pooling_params import POOLER_CONFIG_KEYS
 from pagedserve.server.speculative_config import SpeculativeConfig
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in fp32
@@ -41,7 +41,7 @@ class EngineConfig(EngineArgs):
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        self.pooler_config = parse_pooler_config(self.pooler_config)
+        self.pooler_config = json_object("pooler_config", self.pooler_config, POOLER_CONFIG_KEYS)
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         self._parse_lora_modules()
         self._check_draft_model()

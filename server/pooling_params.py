@@ -15,6 +15,8 @@ from pagedserve.server.exceptions import InvalidRequestError
 # vLLM's pooling types that exist here: the last prompt token's hidden state (decoder embedders such as
 # Qwen3-Embedding and e5-mistral), the mean over every prompt token, the first token's (BERT's [CLS]).
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# What --pooler-config may set over the checkpoint's choice (server/loader/pooler_config.py)
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize")
 
 
 @dataclass(frozen=True)

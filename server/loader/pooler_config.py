@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.common.engine_args import json_object
-from pagedserve.server.pooling_params import POOLING_TYPES
+from pagedserve.server.pooling_params import POOLER_CONFIG_KEYS, POOLING_TYPES
 
 _ST = "sentence_transformers.models."
 # The Pooling module's mode flags this engine runs, and their pooling type
@@ -102,7 +102,7 @@ def _matryoshka_dimensions(hf_config: Any) -> tuple[int, ...] | None:
 
 def parse_pooler_config(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
     """``--pooler-config``'s JSON text (or the dict ``LLM(pooler_config=...)`` takes), checked."""
-    return json_object("pooler_config", value, ("pooling_type", "normalize"))
+    return json_object("pooler_config", value, POOLER_CONFIG_KEYS)
 
 
 def resolve_runner(runner: str, model_path: str | Path, hf_config: Any) -> str:
