@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pagedserve.server.engine.llm_engine import LLMEngine, StepError
+from pagedserve.server.engine.llm_engine import StepError
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.testing.leaks import assert_no_leak
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. " * 6
 
@@ -31,14 +32,6 @@ def both(model_path: str) -> dict[bool, LLM]:
 def prompts(both: dict[bool, LLM]) -> list[list[int]]:
     ids = both[False].get_tokenizer().encode(TEXT)
     return [ids[i : i + n] for i, n in enumerate([1, 4, 9, 23, 40, 77])]
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    core = engine.core
-    assert core.in_flight is None
-    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
-    assert not core.kv.req_blocks and not core.scheduler.has_unfinished()
-    assert not engine.output_processor.requests
 
 
 def outputs(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[Any, ...]]:

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 from pagedserve.kernels import reference
-from pagedserve.server.engine.llm_engine import LLMEngine, StepError
+from pagedserve.server.engine.llm_engine import StepError
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.testing.leaks import assert_no_leak
 
 NEW_TOKENS = 32
 TEXT = (
@@ -54,15 +55,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_T
 def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    core = engine.core
-    pool = core.kv.pool
-    reserved = 1 if core.kv.null_block is not None else 0  # a sliding window's null block, held for good
-    assert pool.num_free_blocks == pool.num_blocks - reserved, "blocks still referenced"
-    assert not engine.output_processor.requests and not core.scheduler.has_unfinished()
-    assert not core.kv.req_blocks
 
 
 def test_greedy_batch_matches_hf(llm: LLM, prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:

@@ -19,6 +19,7 @@ from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
 
 from pagedserve import LLM
+from pagedserve.testing.leaks import assert_no_leak as assert_engine_clean
 
 BLOCK = 4
 
@@ -265,10 +266,9 @@ def computed_tokens(tier_llm: LLM) -> Iterator[list[int]]:
 
 
 def assert_no_leak(llm: LLM) -> None:
-    core = llm.engine.core
-    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks, "device blocks still referenced"
-    assert not core.kv.req_blocks and not core.scheduler.has_unfinished()
-    host = core.kv.host
+    """The engine's check (pagedserve/testing/leaks.py), and the host tier's: nothing pinned or moving."""
+    assert_engine_clean(llm.engine)
+    host = llm.engine.core.kv.host
     assert host is not None and not host.busy and not host.transfers
     assert len(host.slots) <= host.num_blocks and len(set(host.slots.values())) == len(host.slots)
 

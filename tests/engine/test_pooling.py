@@ -16,8 +16,8 @@ from pagedserve.server.pooling_params import PoolingParams
 from pagedserve.server.sampling_params import SamplingParams
 
 from pagedserve import LLM
+from pagedserve.testing.leaks import assert_no_leak
 from pagedserve.testing.tiny_models import TINY_ENGINE, tiny_embedding_checkpoint
-from tests.engine.test_engine import assert_no_leak
 
 TEXTS = [
     "hello world",

@@ -17,6 +17,7 @@ from pagedserve.server.request import Request
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from pagedserve.testing.leaks import assert_no_leak
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,19 +26,13 @@ def tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def assert_no_leak(llm: LLM) -> None:
-    core = llm.engine.core
-    assert not core.has_unfinished()
-    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks, "blocks still referenced"
-
-
 @pytest.mark.parametrize("name", ["qv4", "attn8", "all16", "all8"])
 def test_each_adapter_equals_hf_peft(lora_llm: LLM, lora_setup: LoRAFixture, name: str) -> None:
     adapter = lora_setup.adapters[name]
     assert adapter.expected != lora_setup.base_expected  # the adapter really changes the output
     outputs = lora_llm.generate(token_prompts(lora_setup), GREEDY, lora_request=adapter.request)
     assert tokens(outputs) == adapter.expected
-    assert_no_leak(lora_llm)
+    assert_no_leak(lora_llm.engine)
 
 
 def test_base_model_unchanged_with_lora_enabled(lora_llm: LLM, lora_setup: LoRAFixture) -> None:
@@ -58,7 +53,7 @@ def test_mixed_batch_of_base_and_four_adapters_with_two_slots(lora_llm: LLM, lor
     outputs = lora_llm.generate(prompts, GREEDY, lora_request=loras)
     assert tokens(outputs) == expected
     assert all(o.finished for o in outputs)
-    assert_no_leak(lora_llm)
+    assert_no_leak(lora_llm.engine)
     manager = lora_llm.engine.core.executor.lora
     assert len(manager.slots) == 2 and len(manager.cpu_cache) <= 3
 
@@ -87,7 +82,7 @@ def test_scheduler_never_runs_more_adapters_than_max_loras(lora_llm: LLM, lora_s
         assert len(running) <= 2
         seen = max(seen, len(running))
     assert seen == 2
-    assert_no_leak(lora_llm)
+    assert_no_leak(lora_llm.engine)
     finished = engine.core.stats().lora.requests_finished
     assert all(finished[name] >= 1 for name in ("qv4", "attn8", "all16", "all8"))
 
@@ -137,7 +132,7 @@ def test_bad_adapter_is_refused_with_its_reason(
     with pytest.raises(LoRALoadError, match=reason):
         lora_llm.generate(token_prompts(lora_setup), GREEDY, lora_request=LoRARequest("bad", 99, path))
     assert "bad" not in lora_llm.engine.processor.lora_requests
-    assert_no_leak(lora_llm)
+    assert_no_leak(lora_llm.engine)
 
 
 def test_not_a_peft_folder(lora_llm: LLM, tmp_path: Path) -> None:
@@ -167,7 +162,7 @@ def test_unloaded_adapter_fails_waiting_requests_alone(lora_llm: LLM, lora_setup
     assert list(finished["keep"].outputs[0].token_ids) == lora_setup.base_expected[0]
     with pytest.raises(ValueError, match="does not exist"):
         engine.add_request("late", prompt, GREEDY, lora_request=lora)
-    assert_no_leak(lora_llm)
+    assert_no_leak(lora_llm.engine)
 
 
 def test_config_checks() -> None:
@@ -215,4 +210,4 @@ def test_bin_weights_and_rslora_scaling(lora_llm: LLM, lora_setup: LoRAFixture, 
     lora = LoRARequest("rslora-bin", 60, str(path))
     assert tokens(lora_llm.generate(token_prompts(lora_setup), GREEDY, lora_request=lora)) == expected
     lora_llm.remove_lora("rslora-bin")
-    assert_no_leak(lora_llm)
+    assert_no_leak(lora_llm.engine)

@@ -16,9 +16,9 @@ from pagedserve.server.exceptions import InvalidRequestError
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.testing.leaks import assert_no_leak
 from pagedserve.testing.tiny_models import TINY_ENGINE, tiny_llava_checkpoint
 from pagedserve.testing.vlm import assert_greedy_batch
-from tests.engine.test_engine import assert_no_leak
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -20,9 +20,9 @@ import torch
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.testing.leaks import assert_no_leak
 from pagedserve.testing.tiny_models import QWEN2_VL_TOKENS, TINY_ENGINE, TINY_VOCAB, tiny_qwen2_vl_checkpoint
 from pagedserve.testing.vlm import assert_greedy_batch
-from tests.engine.test_engine import assert_no_leak
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
