@@ -67,7 +67,7 @@ class LoraFleet:
             tokenizer=tokenizer,
             model_name=BASE_MODEL,
             health_interval=0.2,
-            health_timeout=1.0,
+            health_timeout=5.0,  # as the proxy tests' fleet: a slow poll under load is not a dead replica
             **cfg,
         )
         self.app = RouterApp(config)

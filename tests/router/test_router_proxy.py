@@ -38,7 +38,9 @@ class Fleet:
             tokenizer=tokenizer,
             model_name="m",
             health_interval=cfg.pop("health_interval", 0.2),
-            health_timeout=cfg.pop("health_timeout", 1.0),
+            # Generous: under CI's load a slow poll of an in-process replica must not take it out of the
+            # ring (three timeouts in a row do), or routing tests see one replica where there are three.
+            health_timeout=cfg.pop("health_timeout", 5.0),
             **cfg,
         )
         self.app = RouterApp(config)
