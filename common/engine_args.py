@@ -241,6 +241,13 @@ class EngineArgs:
         "N must divide the query heads, and divide or be divided by the KV heads",
         short=("-tp",), metavar="N", ge=1,
     )  # fmt: skip
+    # The layers cut into stages, one process each (server/distributed/parallel_state.py PipelineStage);
+    # with tensor parallelism, every stage is split across tensor_parallel_size ranks.
+    pipeline_parallel_size: int = arg(
+        1, "cut the model's layers into N stages, one rank (or tensor_parallel_size ranks) each, run in "
+        "turn within a step: for a model larger than one rank's memory",
+        short=("-pp",), metavar="N", ge=1,
+    )  # fmt: skip
     # Many adapters on the base model (server/lora/).
     enable_lora: bool = arg(
         False, "serve LoRA adapters (PEFT folders or HF ids) on the base model: a request's model names one; "

@@ -56,7 +56,7 @@ class EngineConfig(EngineArgs):
                 "generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                 f"got {self.generation_config!r}"
             )
-        self._check_tensor_parallel()
+        self._check_parallel()
 
     def checkpoint_quantization(self) -> tuple[str | None, str]:
         """The mode a model given without one runs in, and why: its GGUF blocks for a .gguf file (None: the
@@ -69,18 +69,24 @@ class EngineConfig(EngineArgs):
         gguf_file = self.model is None or (self.model.endswith(".gguf") and Path(self.model).is_file())
         if not gguf_file:
             return None, "the checkpoint's float weights (no quantization asked for)"
-        if self.tensor_parallel_size != 1:
-            return None, "float weights: GGUF blocks are not split across tensor-parallel ranks"
+        if self.world_size != 1:
+            return None, "float weights: GGUF blocks are not split across ranks"
         if self.device not in ("auto", "cpu") or self.torch_device.type != "cpu":
             return None, "float weights: on a GPU the bfloat16 GEMM is faster than the GGUF kernel"
         return "gguf", ("the GGUF file's own blocks: on a CPU the fastest mode at equal quality, "
                         "single-stream and batched (benchmarks/README.md)")
 
-    def _check_tensor_parallel(self) -> None:
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
         """What does not run split across ranks yet is refused here, never run wrong."""
-        size = self.tensor_parallel_size
-        if size == 1:
+        if self.world_size == 1:
             return
+        split = (f"tensor_parallel_size {self.tensor_parallel_size}" if self.pipeline_parallel_size == 1
+                 else f"pipeline_parallel_size {self.pipeline_parallel_size}")
         refused = {
             "enable_lora (LoRA adapters)": self.enable_lora,
             f"quantization {self.quantization!r}": self.quantization is not None,
@@ -90,9 +96,9 @@ class EngineConfig(EngineArgs):
         }
         for name, requested in refused.items():
             if requested:
-                raise ValueError(f"tensor_parallel_size {size} does not support {name} yet")
-        if self.torch_device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, "
+                raise ValueError(f"{split} does not support {name} yet")
+        if self.torch_device.type == "cuda" and self.world_size > torch.cuda.device_count():
+            raise ValueError(f"{split} needs {self.world_size} GPUs, "
                              f"{torch.cuda.device_count()} are visible")
 
     def _check_draft_model(self) -> None:
@@ -100,8 +106,9 @@ class EngineConfig(EngineArgs):
         spec = self.speculative_config
         if not isinstance(spec, SpeculativeConfig) or not spec.uses_draft_model:
             return
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: a draft model is not supported with tensor parallelism")
+        if self.world_size > 1:
+            raise ValueError("speculative_config: a draft model is not supported with tensor or pipeline "
+                             "parallelism")
         if self.kv_offload_bytes:
             # The host tier copies the target's layers only: a loaded block would lack the draft's K/V.
             raise ValueError("speculative_config: a draft model is not supported with kv_offloading_size")

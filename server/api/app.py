@@ -193,6 +193,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
             enable_lora=bool(getattr(engine.config, "enable_lora", False)),
             max_loras=engine.config.max_loras if getattr(engine.config, "enable_lora", False) else None,
             tensor_parallel_size=getattr(engine.config, "tensor_parallel_size", 1),
+            pipeline_parallel_size=getattr(engine.config, "pipeline_parallel_size", 1),
             async_scheduling=bool(getattr(engine.config, "async_scheduling", False)),
             engine_args=engine_args_in_force(engine.config),
         )

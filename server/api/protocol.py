@@ -885,6 +885,7 @@ class VersionResponse(OpenAIBaseModel):
     enable_lora: bool = False  # LoRA adapters can be served (--enable-lora)
     max_loras: int | None = None  # adapters in one batch (--max-loras); None without LoRA
     tensor_parallel_size: int = 1  # ranks the model is split across (--tensor-parallel-size)
+    pipeline_parallel_size: int = 1  # stages the layers are cut into (--pipeline-parallel-size)
     async_scheduling: bool = False  # steps launched before the last one is read back (--async-scheduling)
     # Every engine setting in force, by its name in common/engine_args.py (the flag, dashed).
     engine_args: dict[str, Any] = {}

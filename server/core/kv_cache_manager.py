@@ -27,7 +27,6 @@ again (with the usual ``BlockStored``). Device blocks the pool evicts are stored
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from pagedserve.common.block_hash import hash_block, salted_root, seed_hash
 from pagedserve.server.core.block_pool import Block, BlockPool
@@ -35,15 +34,13 @@ from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
 from pagedserve.server.core.kv_events import BlockStored
 from pagedserve.server.request import Request
 
-if TYPE_CHECKING:  # the block bookkeeping needs no torch
-    from pagedserve.server.layers.attention import Attention
 
-
-def uniform_sliding_window(attention_layers: Iterable[Attention]) -> int | None:
-    """The window the KV cache may slide by: the one every attention layer shares. ``None`` when a layer
-    attends to everything, including models whose layers differ (Gemma 2/3's local and global layers:
-    the global ones need every block)."""
-    windows = {layer.sliding_window for layer in attention_layers}
+def uniform_sliding_window(layer_windows: Iterable[int | None]) -> int | None:
+    """The window the KV cache may slide by: the one every attention layer shares (each layer's, all
+    pipeline stages': ``DecoderForCausalLM.sliding_windows``). ``None`` when a layer attends to everything,
+    including models whose layers differ (Gemma 2/3's local and global layers: the global ones need every
+    block)."""
+    windows = set(layer_windows)
     return windows.pop() if len(windows) == 1 else None
 
 

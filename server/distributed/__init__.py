@@ -1,9 +1,12 @@
-"""Tensor parallelism (Megatron's split) over ``torch.distributed``: gloo on the CPU, NCCL on CUDA.
+"""Tensor parallelism (Megatron's split) and pipeline parallelism (the layers cut into stages) over
+``torch.distributed``: gloo on the CPU, NCCL on CUDA.
 
-- ``parallel_state.py``: this rank's place (``TensorParallel``: rank, size, group) and the check that a
-  model splits across N ranks.
-- ``collectives.py``: the few collectives the model needs (all-reduce, gather of the logits to the driver).
+- ``parallel_state.py``: this rank's place (``TensorParallel``: rank, size, group; ``PipelineStage``:
+  its stage and layers) and the check that a model splits across N ranks.
+- ``collectives.py``: the few collectives the model needs (all-reduce, gather of the logits to the driver,
+  activations from one stage to the next).
 - ``messages.py``: what the driver sends the other ranks each step (a command and its tensors).
-- ``driver.py``: rank 0, in the engine process: starts the other ranks, sends them each step, watches them.
-- ``worker.py``: the entry of every other rank's process: its shard of the model and of every KV block.
+
+The ranks' processes are started and driven by server/executor/tp_driver.py (rank 0, in the engine
+process) and server/executor/tp_worker.py (every other rank).
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from pagedserve.server.distributed.parallel_state import TensorParallel
+from pagedserve.server.distributed.parallel_state import PipelineStage, TensorParallel
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -34,3 +34,16 @@ def broadcast_tensor(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if tp.size > 1:
         dist.broadcast(x, src=dist.get_global_rank(tp.group, 0), group=tp.group)
     return x
+
+
+def send_to_stage(tensors: list[torch.Tensor], stage: PipelineStage, to_stage: int) -> None:
+    """This rank's ``tensors`` to its peer of stage ``to_stage`` (same tensor-parallel rank), in order."""
+    for x in tensors:
+        dist.send(x.contiguous(), dst=stage.global_rank(to_stage))
+
+
+def receive_from_stage(like: list[torch.Tensor], stage: PipelineStage, from_stage: int) -> list[torch.Tensor]:
+    """What the peer of stage ``from_stage`` sent with ``send_to_stage``, into tensors shaped as ``like``."""
+    for x in like:
+        dist.recv(x, src=stage.global_rank(from_stage))
+    return like

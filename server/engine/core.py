@@ -48,7 +48,7 @@ class EngineCore:
         self.kv = KVCacheManager(
             executor.num_blocks, config.block_size, config.enable_prefix_caching,
             hash_seed=f"{executor.model_path}:{executor.dtype}",
-            sliding_window=uniform_sliding_window(executor.model.attention_layers()),
+            sliding_window=uniform_sliding_window(executor.model.sliding_windows()),
             enable_kv_events=config.enable_kv_events, num_host_blocks=executor.num_host_blocks,
         )
         max_loras = config.max_loras if executor.lora is not None else 0

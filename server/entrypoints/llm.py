@@ -41,7 +41,8 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """With ``tensor_parallel_size`` > 1: stop the other ranks' processes now, not at exit."""
+        """With several ranks (tensor or pipeline parallelism): stop the other ranks' processes now, not at
+        exit."""
         self.engine.shutdown()
 
     def get_tokenizer(self) -> Any:

@@ -1,10 +1,11 @@
 """The executor: everything that runs the model, set up once and driven one step at a time (vLLM V1's
 Executor, vllm/v1/executor/).
 
-It owns the weights (this rank's shard under tensor parallelism, whose other ranks it starts and joins,
-server/executor/tp_driver.py), the KV cache's size (what fits beside the weights and a profiled step on a
-GPU, a fixed budget on the CPU, the host tier's share), the model runner (server/worker/model_runner.py)
-with its LoRA slots and drafter, and ``launch``: one scheduled step in, each sampled request's tokens out.
+It owns the weights (this rank's shard under tensor and pipeline parallelism, whose other ranks it starts
+and joins, server/executor/tp_driver.py), the KV cache's size (what fits beside the weights and a
+profiled step on a GPU, a fixed budget on the CPU, the host tier's share), the model runner
+(server/worker/model_runner.py) with its LoRA slots and drafter, and ``launch``: one scheduled step in,
+each sampled request's tokens out.
 The engine core (server/engine/core.py) sees only this object: no set-up and no per-feature branch of
 the runner's reaches the core's loop.
 """
@@ -65,20 +66,23 @@ class Executor:
     # ---- set-up -------------------------------------------------------------------------------------
 
     def _start_ranks(self) -> TPDriver | None:
-        """The other tensor-parallel ranks, started and joined; None on one rank. A model that does not
-        split across them is refused first, naming its head counts, before any process starts."""
-        size = self.config.tensor_parallel_size
+        """The other ranks (tensor-parallel, and every later pipeline stage's), started and joined; None on
+        one rank. A model that does not split across them is refused first, naming its head or layer
+        counts, before any process starts."""
+        size, tp_size = self.config.world_size, self.config.tensor_parallel_size
         if size == 1:
             return None
         from pagedserve.server.executor.tp_driver import TPDriver
         from pagedserve.server.loader import load_config
-        from pagedserve.server.models.registry import check_tensor_parallel
+        from pagedserve.server.models.registry import check_pipeline_parallel, check_tensor_parallel
 
-        check_tensor_parallel(load_config(self.model_path), size)
+        hf_config = load_config(self.model_path)
+        check_tensor_parallel(hf_config, tp_size)
+        check_pipeline_parallel(hf_config, self.config.pipeline_parallel_size)
         spec = dict(model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type,
                     backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, seed=self.config.seed,
                     runner=self.config.runner, load_format=self.config.load_format)
-        return TPDriver.start(spec, size)
+        return TPDriver.start(spec, size, tp_size)
 
     def _load_shard_and_runner(self) -> None:
         """This rank's model (its shard under tensor parallelism), the KV cache, the runner."""
@@ -87,7 +91,8 @@ class Executor:
         config = self.config
         self.model, self.hf_config = load_model(
             self.model_path, self.dtype, self.device, backend=self.backend, quantization=config.quantization,
-            tp=self.ranks.tp if self.ranks is not None else None, runner=config.runner,
+            tp=self.ranks.tp if self.ranks is not None else None,
+            stage=self.ranks.stage if self.ranks is not None else None, runner=config.runner,
             load_format=config.load_format,
         )
         # A vision-language config holds the decoder's numbers in its text config (a text one is its own)
@@ -95,7 +100,9 @@ class Executor:
         self.vocab_size = int(self.text_config.vocab_size)
         self.lora = self._make_lora_manager()
         self.draft_model = self._load_draft_model()
-        # This rank's KV heads: a shard of every block under tensor parallelism.
+        # This rank's KV heads and layers: a shard of every block under tensor parallelism, its stage's
+        # layers under pipeline parallelism. The first stage holds the most layers (PipelineStage's
+        # split), so its block bytes bound every stage's, and the ranks allocate the blocks it counts.
         layer = self.model.attention_layers()[0]
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         self.block_bytes = sum(
@@ -191,7 +198,7 @@ class Executor:
         """The host KV tier's blocks (server/core/host_tier.py): its budget in whole blocks; 0 when off.
         ``block_bytes`` is one rank's shard of a block, and the budget is every rank's together (vLLM's
         kv_offloading_size), so each rank holds its share."""
-        budget = self.config.kv_offload_bytes // self.config.tensor_parallel_size
+        budget = self.config.kv_offload_bytes // self.config.world_size
         if not budget:
             return 0
         if budget < block_bytes:
@@ -252,7 +259,7 @@ class Executor:
         self.runner.copy_kv_blocks(plan.kv_transfers)
 
     def check_alive(self) -> None:
-        """RankDiedError (an EngineDeadError) once a tensor-parallel rank has died."""
+        """RankDiedError (an EngineDeadError) once another rank has died."""
         if self.ranks is not None:
             self.ranks.check_alive()
 
@@ -262,7 +269,7 @@ class Executor:
             self.ranks.on_death = callback
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        """Stop the other ranks (nothing to do on one rank)."""
         if self.ranks is not None:
             self.ranks.stop()
 

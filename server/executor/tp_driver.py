@@ -1,10 +1,13 @@
-"""Rank 0 of a tensor-parallel engine, in the engine process (vLLM V0's driver worker), and the other
-ranks' processes.
+"""Rank 0 of a tensor- or pipeline-parallel engine, in the engine process (vLLM V0's driver worker), and
+the other ranks' processes.
 
 ``TPDriver.start`` spawns ranks 1 .. N-1 (server/executor/tp_worker.py), joins the group with them and
 watches them. The model runner (server/worker/model_runner.py) then sends each model call through it
-before running its own part: ``forward(inputs)`` (the step's inputs, whole) and ``logits(hidden)`` (the
-rows whose logits rank 0 needs); every rank runs the same collectives in the same order.
+before running its own part: ``forward(inputs)`` (the step's inputs, whole, to every rank of every
+stage) and ``logits(hidden)`` (the rows whose logits rank 0 needs, to the first stage's ranks); every
+rank runs the same collectives in the same order. Rank 0 is the first stage's tensor-parallel rank 0: it
+holds the embedding and the head, and the last stage hands it the final hidden rows
+(server/models/decoder.py ``DecoderModel.forward``).
 
 A rank that dies ends the engine: a thread waits on the workers' sentinels, logs which rank died and
 calls ``on_death`` (the server stops, server/engine/async_engine.py); a collective already waiting on the
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 from pagedserve.server.distributed.collectives import broadcast_tensor
 from pagedserve.server.distributed.messages import Command, move_tensors
-from pagedserve.server.distributed.parallel_state import TensorParallel
+from pagedserve.server.distributed.parallel_state import PipelineStage, TensorParallel
 from pagedserve.server.exceptions import RankDiedError
 from pagedserve.server.executor.tp_worker import (
     KVBudgetRequest,
@@ -48,8 +51,9 @@ STOP_TIMEOUT_S = 10.0
 
 
 class TPDriver:
-    def __init__(self, spec: WorkerSpec, workers: list[Any], tp: TensorParallel) -> None:
-        self.spec, self.workers, self.tp = spec, workers, tp
+    def __init__(self, spec: WorkerSpec, workers: list[Any], tp: TensorParallel,
+                 stage: PipelineStage) -> None:
+        self.spec, self.workers, self.tp, self.stage = spec, workers, tp, stage
         self.on_death: Callable[[str], None] | None = None
         self.death: str | None = None  # why the engine cannot go on, once a rank died
         self._stopping = False
@@ -57,12 +61,13 @@ class TPDriver:
         atexit.register(self.stop)
 
     @classmethod
-    def start(cls, spec_fields: dict[str, Any], size: int) -> TPDriver:
-        """Spawn ranks 1 .. size-1 and join the group as rank 0 (ValueError if a group already exists)."""
+    def start(cls, spec_fields: dict[str, Any], size: int, tp_size: int) -> TPDriver:
+        """Spawn ranks 1 .. size-1 (``size // tp_size`` stages of ``tp_size`` ranks) and join the group as
+        rank 0 (ValueError if a group already exists)."""
         if dist.is_initialized():
-            raise ValueError("one tensor-parallel engine per process: a process group already exists")
+            raise ValueError("one parallel engine per process: a process group already exists")
         spec = WorkerSpec(**spec_fields, size=size, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                          timeout_s=TIMEOUT_S)
+                          timeout_s=TIMEOUT_S, tp_size=tp_size)
         context = multiprocessing.get_context("spawn")
         workers = [
             context.Process(target=run_worker, args=(rank, spec), name=f"pagedserve-tp{rank}", daemon=True)
@@ -70,14 +75,15 @@ class TPDriver:
         ]
         for worker in workers:
             worker.start()
-        logger.info("tensor parallel: %d ranks, workers %s", size, [w.pid for w in workers])
+        logger.info("%d ranks (%d pipeline stages of %d tensor-parallel ranks), workers %s", size,
+                    size // tp_size, tp_size, [w.pid for w in workers])
         try:
-            tp = _join_watching(spec, workers)
+            tp, stage = _join_watching(spec, workers)
         except BaseException:
             for worker in workers:
                 worker.kill()
             raise
-        return cls(spec, workers, tp)
+        return cls(spec, workers, tp, stage)
 
     # ---- each model call, to every rank -------------------------------------------------------------
 
@@ -86,7 +92,10 @@ class TPDriver:
         self._send(Command("forward", inputs=move_tensors(inputs, "cpu")))
 
     def logits(self, hidden: torch.Tensor) -> None:
-        """The other ranks compute their vocabulary slice of ``hidden``'s logits (rank 0 is about to)."""
+        """The first stage's other ranks compute their vocabulary slice of ``hidden``'s logits (rank 0 is
+        about to); nothing to do where that stage is rank 0 alone."""
+        if self.tp.size == 1:
+            return
         self._send(Command("logits", shape=tuple(hidden.shape), dtype=hidden.dtype))
         broadcast_tensor(hidden.contiguous(), self.tp)
 
@@ -96,7 +105,7 @@ class TPDriver:
 
     def kv_budget(self, model: torch.nn.Module, request: KVBudgetRequest) -> int:
         self._send(Command("kv_budget", inputs=request))
-        return kv_budget(model, request, self.tp)
+        return kv_budget(model, request)
 
     def setup(self, setup: RunnerSetup) -> None:
         self._send(Command("setup", inputs=setup))
@@ -104,17 +113,17 @@ class TPDriver:
     def _send(self, command: Command) -> None:
         self.check_alive()
         try:
-            dist.broadcast_object_list([command], src=0, group=self.tp.group)
+            dist.broadcast_object_list([command], src=0)
         except Exception as exc:
             self.check_alive()
-            raise RankDiedError(f"tensor-parallel collective failed: {exc}") from exc
+            raise RankDiedError(f"a collective between the engine's ranks failed: {exc}") from exc
 
     def check_alive(self) -> None:
         """RankDiedError once a rank has died."""
         if self.death is None:
             for rank, worker in enumerate(self.workers, start=1):
                 if worker.exitcode is not None:
-                    self.death = _death_message(rank, worker)
+                    self.death = _death_message(self.spec, rank, worker)
         if self.death is not None:
             raise RankDiedError(self.death)
 
@@ -126,7 +135,7 @@ class TPDriver:
             return
         rank, worker = next((r, w) for r, w in enumerate(self.workers, start=1) if w.sentinel in ready)
         worker.join(1.0)  # its sentinel closes as it dies, a moment before its exit code can be read
-        self.death = _death_message(rank, worker)
+        self.death = _death_message(self.spec, rank, worker)
         logger.error("%s; the engine cannot go on", self.death)
         if self.on_death is not None:
             self.on_death(self.death)
@@ -139,7 +148,7 @@ class TPDriver:
         atexit.unregister(self.stop)
         if self.death is None and all(w.is_alive() for w in self.workers):
             with contextlib.suppress(Exception):
-                dist.broadcast_object_list([Command("stop")], src=0, group=self.tp.group)
+                dist.broadcast_object_list([Command("stop")], src=0)
         for worker in self.workers:
             # After a death the others may wait on the dead rank in a collective: no point waiting.
             worker.join(0 if self.death is not None else STOP_TIMEOUT_S)
@@ -157,13 +166,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _death_message(rank: int, worker: Any) -> str:
-    return f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}"
+def _death_message(spec: WorkerSpec, rank: int, worker: Any) -> str:
+    return f"{spec.describe(rank)} (pid {worker.pid}) exited with code {worker.exitcode}"
 
 
-def _join_watching(spec: WorkerSpec, workers: list[Any]) -> TensorParallel:
+def _join_watching(spec: WorkerSpec, workers: list[Any]) -> tuple[TensorParallel, PipelineStage]:
     """Join the group as rank 0, failing at once (not at the timeout) if a worker dies meanwhile."""
-    result: list[TensorParallel | BaseException] = []
+    result: list[tuple[TensorParallel, PipelineStage] | BaseException] = []
 
     def join() -> None:
         try:
@@ -177,7 +186,7 @@ def _join_watching(spec: WorkerSpec, workers: list[Any]) -> TensorParallel:
         thread.join(0.2)
         for rank, worker in enumerate(workers, start=1):
             if worker.exitcode is not None:
-                raise RuntimeError(f"{_death_message(rank, worker)} while starting")
+                raise RuntimeError(f"{_death_message(spec, rank, worker)} while starting")
     if isinstance(result[0], BaseException):
         raise result[0]
     return result[0]

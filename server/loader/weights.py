@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from pagedserve.server.backend import Backend
-    from pagedserve.server.distributed.parallel_state import TensorParallel
+    from pagedserve.server.distributed.parallel_state import PipelineStage, TensorParallel
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -53,6 +53,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
     runner: str = "generate",
 ) -> tuple[nn.Module, Any]:
     """Build the model for the folder's config on ``device``, running ``backend``'s kernels
@@ -61,21 +62,22 @@ def load_model(
     ``quantization`` (server/layers/quantization/, e.g. "int8") switches the projections to that weight
     format before loading, so each checkpoint tensor is quantized as it is read (no fp32 copy of the
     model). ``tp``: this rank's place under tensor parallelism (server/distributed/): the model holds
-    only its shard, cut from each checkpoint tensor as it is read. ``load_format="dummy"`` skips the
+    only its shard, cut from each checkpoint tensor as it is read. ``stage``: its pipeline stage: the model
+    holds only that stage's layers, and the other tensors are not read. ``load_format="dummy"`` skips the
     checkpoint and fills the weights with small random values (for benchmarks of large shapes from a
     config.json alone). ``runner="pooling"``: the model without its LM head, whose weights an embedding
     checkpoint may not ship and which no pooled vector reads. The model is in eval mode; call it under
     ``torch.inference_mode()``.
     """
-    from pagedserve.server.distributed.parallel_state import SINGLE, building
+    from pagedserve.server.distributed.parallel_state import ONE_STAGE, SINGLE, building
     from pagedserve.server.layers.quantization import process_weights_after_loading, quantize_linears
     from pagedserve.server.models.registry import build_model, check_tensor_parallel
 
     device = torch.device(device)
     hf_config = load_config(path)
-    tp = tp or SINGLE
+    tp, stage = tp or SINGLE, stage or ONE_STAGE
     check_tensor_parallel(hf_config, tp.size)
-    with building(tp):
+    with building(tp, stage):
         model = build_model(hf_config, resolve_dtype(dtype, device), device, backend)
     if runner == "pooling":
         model.lm_head = None  # its checkpoint tensor, if any, is skipped as a tied model's is
@@ -85,8 +87,12 @@ def load_model(
     elif load_format == "auto":
         # --quantization gguf: the projections' blocks from the GGUF file, the rest from the folder.
         blocks = checkpoint_blocks(path, hf_config, tp.size) if quantization == "gguf" else {}
-        # Under tensor parallelism each rank reads only its piece of each split tensor.
-        weights = iterate_weights(path, model.checkpoint_piece if tp.size > 1 else None, skip=blocks.keys())
+        # Under tensor parallelism each rank reads only its piece of each split tensor, and under pipeline
+        # parallelism only its stage's tensors.
+        def skipped(name: str) -> bool:
+            return name in blocks or (stage.size > 1 and model.route_weight(name) is None)
+
+        weights = iterate_weights(path, model.checkpoint_piece if tp.size > 1 else None, skip=skipped)
         model.load_weights(itertools.chain(blocks.items(), weights))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
@@ -127,9 +133,9 @@ def weight_files(path: str | Path) -> list[Path]:
 def iterate_weights(
     path: str | Path,
     piece_of: Callable[[str], tuple[int, int, int] | None] | None = None,
-    skip: Container[str] = (),
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, cpu tensor)`` for every tensor of the checkpoint but those named in ``skip``, with a progress
+    """``(name, cpu tensor)`` for every tensor of the checkpoint but those ``skip`` says, with a progress
     bar. ``piece_of(name)``: (dim, start, size) to read of that tensor, None for all of it (safetensors
     only: a ``.bin`` is read whole, and the layer cuts it)."""
     from safetensors import safe_open
@@ -139,7 +145,7 @@ def iterate_weights(
     if files[0].suffix != ".safetensors":
         for file in tqdm(files, desc="Loading weights", unit="file"):
             tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            yield from ((name, tensor) for name, tensor in tensors.items() if name not in skip)
+            yield from ((name, tensor) for name, tensor in tensors.items() if not (skip and skip(name)))
         return
     total = 0
     for file in files:
@@ -149,7 +155,7 @@ def iterate_weights(
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name in skip:
+                    if skip is not None and skip(name):
                         bar.update()
                         continue
                     piece = piece_of(name) if piece_of is not None else None

@@ -69,8 +69,8 @@ class DecoderForCausalLM(nn.Module):
 
     Attributes useful to the model runner: ``num_layers``, ``num_heads``, ``num_kv_heads``,
     ``head_dim``, ``vocab_size``, ``max_position`` (the rotary cache's length: positions must be
-    below it) and ``spec`` (everything else, per layer: each layer's window is on its ``Attention``, where
-    the engine reads it, server/core/kv_cache_manager.py ``uniform_sliding_window``).
+    below it) and ``spec`` (everything else, per layer: each layer's window is on its ``Attention``, and
+    ``sliding_windows`` lists every stage's for server/core/kv_cache_manager.py ``uniform_sliding_window``).
     """
 
     stacked_params: ClassVar[tuple[tuple[str, str, int], ...]] = STACKED_QKV_GATE_UP
@@ -114,7 +114,9 @@ class DecoderForCausalLM(nn.Module):
         self.max_position = self.model.max_position
         # Untied: a projection, vocabulary-parallel under tensor parallelism as the tied embedding is.
         self.lm_head: Linear | VocabEmbedding | None = None
-        if not spec.tie_word_embeddings:
+        # Under pipeline parallelism the head sits beside the embedding, on the first stage, whose driver
+        # samples (server/distributed/parallel_state.py PipelineStage).
+        if not spec.tie_word_embeddings and self.model.stage.is_first:
             self.lm_head = (
                 Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
                 if parallel_state.current().size == 1
@@ -169,8 +171,14 @@ class DecoderForCausalLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[Attention]:
-        """The ``Attention`` module of every layer, in order, for the runner to bind KV caches to."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """The ``Attention`` module of every layer this rank holds (its pipeline stage's, else all), in
+        order, for the runner to bind KV caches to."""
+        return [layer.self_attn.attn for layer in self.model.held_layers]
+
+    def sliding_windows(self) -> list[int | None]:
+        """Every layer's attention window (None: full), this stage's or not: the KV cache manager frees
+        blocks by the window all of them share (server/core/kv_cache_manager.py)."""
+        return [self.spec.layer_sliding_window(i) for i in range(self.num_layers)]
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -231,9 +239,11 @@ class DecoderForCausalLM(nn.Module):
             return None
         if name.startswith("lm_head."):
             if self.lm_head is None:
-                return None  # tied: the embedding is the head
+                return None  # tied (the embedding is the head), pooling, or another pipeline stage's
         elif not name.startswith("model."):
             name = "model." + name
+        if not self.holds_weight(name):
+            return None
         for theirs, ours in self.checkpoint_renames:
             name = name.replace(theirs, ours)
         module_path, _, param_name = name.rpartition(".")
@@ -241,6 +251,20 @@ class DecoderForCausalLM(nn.Module):
             if module_path.endswith("." + original):
                 return module_path[: -len(original)] + merged, param_name, index
         return module_path, param_name, None
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint tensor ``name`` (``model.``-prefixed): its own
+        layers', the embedding on the first stage, the final norm on the last (every one on one stage)."""
+        stage = self.model.stage
+        if stage.size == 1:
+            return True
+        if name.startswith("model.layers."):
+            return self.model.holds_layer(int(name.split(".", 3)[2]))
+        if name.startswith("model.embed_tokens."):
+            return stage.is_first
+        if name.startswith("model.norm."):
+            return stage.is_last
+        return True
 
     def expected_weights(self) -> dict[str, WeightKey]:
         """Checkpoint name -> (module path, parameter, shard) for every parameter to load."""

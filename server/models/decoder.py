@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from pagedserve.server.distributed import parallel_state
+from pagedserve.server.distributed.collectives import receive_from_stage, send_to_stage
 from pagedserve.server.layers.activation import get_act_and_mul
 from pagedserve.server.layers.attention import Attention, AttentionMetadata
 from pagedserve.server.layers.linear import Linear, VocabEmbedding
@@ -205,14 +206,26 @@ class DecoderModel(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        # Under pipeline parallelism this stage's layers only; the first stage embeds, the last normalises
+        # (server/distributed/parallel_state.py PipelineStage). The others are empty slots, so checkpoint
+        # names keep their layer indices.
+        self.stage = stage = parallel_state.current_stage()
+        self.start_layer, self.end_layer = stage.layer_range(spec.num_layers)
+        self.hidden_size, self.dtype, self.device = spec.hidden_size, dtype, device
+        self.embed_tokens: VocabEmbedding | None = None
+        if stage.is_first:
+            self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.embed_scale = spec.embed_scale
         if spec.embed_scale_in_model_dtype:
             self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype).item()
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, make_mlp(i), kernels, dtype, device) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, make_mlp(i), kernels, dtype, device)
+            if self.holds_layer(i) else nn.Identity()
+            for i in range(spec.num_layers)
         )
-        self.norm = make_norm(spec, spec.hidden_size, kernels, dtype, device)
+        # A plain tuple for the forward loop: slicing the ModuleList would build a module every step.
+        self.held_layers = tuple(self.layers[self.start_layer : self.end_layer])
+        self.norm = make_norm(spec, spec.hidden_size, kernels, dtype, device) if stage.is_last else None
         # One table per distinct parameter set: Qwen2's sliding and full layers rotate alike, and share it.
         tables: dict[str, RotaryEmbedding] = {}
         for layer_type, params in rotary_params.items():
@@ -228,6 +241,7 @@ class DecoderModel(nn.Module):
         self.max_position = min(table.cos_sin_cache.shape[0] for table in tables.values())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None, "only the first pipeline stage embeds"
         hidden = self.embed_tokens(input_ids)
         return hidden * self.embed_scale if self.embed_scale != 1.0 else hidden
 
@@ -237,9 +251,34 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """``inputs_embeds``: the step's embeddings when some rows are not tokens' (a multimodal model's
         image features, merged by the runner); else ``input_ids`` are embedded here."""
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
-        for layer in self.layers:
+        stage = self.stage
+        residual: torch.Tensor | None = None
+        if stage.is_first:
+            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        else:
+            rows = torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=self.device)
+            hidden, residual = receive_from_stage([rows, torch.empty_like(rows)], stage, stage.index - 1)
+        for layer in self.held_layers:
             hidden, residual = layer(positions, hidden, residual, meta, self.rotary_emb[layer.layer_type])
-        hidden, _ = self.norm(hidden, residual)
+        if not stage.is_last:
+            assert residual is not None  # every stage holds at least one layer
+            send_to_stage([hidden, residual], stage, stage.index + 1)
+        else:
+            assert self.norm is not None
+            hidden, _ = self.norm(hidden, residual)
+        if stage.size > 1:
+            hidden = self._final_to_first_stage(hidden)
+        return hidden
+
+    def holds_layer(self, index: int) -> bool:
+        return self.start_layer <= index < self.end_layer
+
+    def _final_to_first_stage(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's normalised rows, on the first stage too (its driver samples from them); a middle
+        stage's return is not read."""
+        stage = self.stage
+        if stage.is_last:
+            send_to_stage([hidden], stage, 0)
+        elif stage.is_first:
+            (hidden,) = receive_from_stage([torch.empty_like(hidden)], stage, stage.size - 1)
         return hidden

@@ -117,3 +117,18 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     if spec.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the MLP's intermediate_size "
                          f"{spec.intermediate_size}")
+
+
+def check_pipeline_parallel(hf_config: Any, size: int) -> None:
+    """ValueError unless the model's layers cut into ``size`` stages: a decoder without an encoder (a
+    vision tower's features enter at the first stage, which is not built for them yet), with at least
+    one layer per stage."""
+    if size == 1:
+        return
+    model_class = get_model_class(hf_config)
+    if model_class.encoder_prefixes or model_class.uses_mrope:
+        raise ValueError(f"{model_class.__name__} does not support pipeline parallelism yet "
+                         f"(pipeline_parallel_size {size}); run it with pipeline_parallel_size 1")
+    layers = model_class.spec_from_config(hf_config).num_layers
+    if layers < size:
+        raise ValueError(f"pipeline_parallel_size {size} exceeds the model's {layers} layers")

@@ -1,7 +1,9 @@
-"""Tensor parallelism in the offline engine (``LLM(tensor_parallel_size=2)``): greedy tokens, logprobs
-and prompt logprobs equal one rank's, with chunked prefill and prefix-cache hits, on a random Llama whose
-2 KV heads split (one per rank), on one whose single KV head both ranks hold, and on a Phi-3 whose fused
-projections are cut per part; which pieces of the checkpoint a rank reads; and what is refused.
+"""Tensor and pipeline parallelism in the offline engine (``LLM(tensor_parallel_size=2)``,
+``pipeline_parallel_size``): greedy tokens, logprobs and prompt logprobs equal one rank's, with chunked
+prefill and prefix-cache hits, on a random Llama whose 2 KV heads split (one per rank), on one whose single
+KV head both ranks hold, on a Phi-3 whose fused projections are cut per part, and on a 5-layer Llama cut
+into 2 stages (alone and with 2 tensor-parallel ranks each); which pieces of the checkpoint a rank reads;
+and what is refused.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import pytest
 import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.core.host_tier import KVTransfers
-from pagedserve.server.models.registry import check_tensor_parallel
-from transformers import MixtralConfig
+from pagedserve.server.models.registry import check_pipeline_parallel, check_tensor_parallel
+from transformers import LlamaConfig, LlavaConfig, MixtralConfig
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.testing.tiny_models import TINY
@@ -68,10 +70,7 @@ def test_two_ranks_equal_one(checkpoint: str, request: pytest.FixtureRequest) ->
     finally:
         llm.shutdown()
     assert not worker.is_alive()
-    for (tokens_1, lps_1, prompt_1), (tokens_2, lps_2, prompt_2) in zip(one, two, strict=True):
-        assert tokens_2 == tokens_1
-        torch.testing.assert_close(torch.tensor(lps_2), torch.tensor(lps_1), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(prompt_2), torch.tensor(prompt_1), atol=1e-4, rtol=0)
+    _assert_same_answers(one, two)
 
 
 def test_heads_that_do_not_split_are_refused_before_any_rank_starts() -> None:
@@ -174,3 +173,69 @@ def test_two_ranks_pool_as_one(tmp_path: Path) -> None:
     finally:
         llm.shutdown()
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), atol=1e-5, rtol=0)
+
+
+def _assert_same_answers(expected: list, got: list) -> None:
+    for (tokens_1, lps_1, prompt_1), (tokens_2, lps_2, prompt_2) in zip(expected, got, strict=True):
+        assert tokens_2 == tokens_1
+        torch.testing.assert_close(torch.tensor(lps_2), torch.tensor(lps_1), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(prompt_2), torch.tensor(prompt_1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_stages_equal_one_rank(tp: int, llama_5_layers: Path) -> None:
+    """Layers 0-2 on stage 0 (rank 0, with the embedding and the head), 3-4 on stage 1 (with the final
+    norm); each stage's KV cache only for its layers; with tp 2, each stage's heads split too."""
+    prompts = _prompts(seed=13)
+    one = _run(LLM(str(llama_5_layers), **ENGINE), prompts)
+    llm = LLM(str(llama_5_layers), pipeline_parallel_size=2, tensor_parallel_size=tp, **ENGINE)
+    try:
+        executor = llm.engine.core.executor
+        workers = executor.ranks.workers
+        assert len(workers) == 2 * tp - 1 and all(w.is_alive() for w in workers)
+        body = executor.model.model
+        assert [type(layer).__name__ for layer in body.layers] == ["DecoderLayer"] * 3 + ["Identity"] * 2
+        assert len(executor.model.attention_layers()) == 3 and body.norm is None
+        assert body.embed_tokens is not None
+        assert body.layers[0].self_attn.num_heads == 8 // tp
+        two = _run(llm, prompts)
+        assert llm.engine.core.kv.prefix_hits > 0
+    finally:
+        llm.shutdown()
+    assert not [w for w in workers if w.is_alive()], "a rank outlived its engine"
+    _assert_same_answers(one, two)
+
+
+def test_a_later_stage_reads_only_its_layers(llama_5_layers: Path) -> None:
+    """Stage 1 of 2 (built without a group: loading runs no collective) holds layers 3 and 4 and the final
+    norm, equal to the checkpoint's, and neither the embedding nor the head."""
+    from pagedserve.server.backend import select_backend
+    from pagedserve.server.distributed.parallel_state import PipelineStage
+    from pagedserve.server.loader import load_model
+    from pagedserve.server.loader.weights import weight_files
+    from safetensors.torch import load_file
+
+    backend = select_backend(torch.device("cpu"), torch.float32, "torch")
+    model, _ = load_model(llama_5_layers, "float32", "cpu", backend=backend, stage=PipelineStage(1, 2))
+    names = {name.split(".")[2] if name.startswith("model.layers.") else name.split(".")[1]
+             for name, _ in model.named_parameters()}
+    assert names == {"3", "4", "norm"} and model.lm_head is None
+    full = {k: v for file in weight_files(llama_5_layers) for k, v in load_file(file).items()}
+    down = full["model.layers.4.mlp.down_proj.weight"]
+    torch.testing.assert_close(model.model.layers[4].mlp.down_proj.weight, down)
+    torch.testing.assert_close(model.model.norm.weight, full["model.norm.weight"])
+
+
+def test_what_pipeline_parallelism_refuses() -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2 does not support enable_lora"):
+        EngineConfig(pipeline_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        EngineConfig(pipeline_parallel_size=0)
+    llama = LlamaConfig(**TINY)
+    llama.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        check_pipeline_parallel(llama, 3)
+    llava = LlavaConfig(text_config=llama.to_dict())
+    llava.architectures = ["LlavaForConditionalGeneration"]
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration does not support pipeline"):
+        check_pipeline_parallel(llava, 2)

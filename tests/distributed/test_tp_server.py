@@ -1,6 +1,7 @@
-"""Tensor parallelism through the real server (`pagedserve serve --tensor-parallel-size N`) and the
-official openai client: greedy completions equal one rank's token for token; a killed rank ends the
-server with a clear error within seconds; a model whose heads do not split is refused at start.
+"""Tensor and pipeline parallelism through the real server (`pagedserve serve --tensor-parallel-size N`,
+`--pipeline-parallel-size N`) and the official openai client: greedy completions equal one rank's token for
+token; a killed rank ends the server with a clear error within seconds; a model whose heads do not split is
+refused at start.
 
 The embedded SmolLM2 (9 query heads, 3 KV heads) splits across 3 ranks, not 2; the 2-rank cases run on a
 seeded random Llama (tests/distributed/conftest.py).
@@ -129,6 +130,21 @@ def test_ranks_exit_with_a_killed_engine(tmp_path: Path, llama_kv2: Path) -> Non
             time.sleep(0.2)
         assert not alive(worker), "rank 1 outlived its engine"
         assert not alive(core), "the engine core outlived its server"
+
+
+def test_two_stages_answer_as_one_rank_and_a_killed_stage_ends_the_server(tmp_path: Path,
+                                                                       llama_kv2: Path) -> None:
+    """``-pp 2``: one layer per stage; the second stage's rank killed ends the server, naming it."""
+    with serve_process(tmp_path / "pp2.log", str(llama_kv2), "-pp", "2", *FLAGS) as server:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        assert httpx.get(server.url + "/version").json()["pipeline_parallel_size"] == 2
+        assert completions(server, PROMPTS, max_tokens=12) == one_rank(llama_kv2, PROMPTS, 12)
+        (worker,) = worker_pids(server)
+        os.kill(worker, signal.SIGKILL)
+        assert server.process is not None
+        assert server.process.wait(EXIT_BOUND_S) != 0
+        log = server.log_text()
+        assert f"rank 1 (pipeline stage 1) (pid {worker}) exited with code -9" in log, server.log_tail()
 
 
 def test_heads_that_do_not_split_are_refused_at_start(tmp_path: Path) -> None:

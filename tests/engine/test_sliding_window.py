@@ -4,8 +4,6 @@ tiny Mistral with a window shorter than its prompts answers as HF Transformers d
 
 from __future__ import annotations
 
-import types
-
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
 from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.outputs import RequestMetrics
@@ -126,8 +124,7 @@ def test_prefix_hit_stops_where_a_needed_block_is_missing():
 
 
 def test_the_window_is_the_one_all_layers_share():
-    layers = [types.SimpleNamespace(sliding_window=w) for w in (8, 8, 8)]
-    assert uniform_sliding_window(layers) == 8
+    assert uniform_sliding_window([8, 8, 8]) == 8
     # Gemma 2/3: local and global layers alternate, so the global ones need every block.
-    assert uniform_sliding_window([*layers, types.SimpleNamespace(sliding_window=None)]) is None
-    assert uniform_sliding_window([types.SimpleNamespace(sliding_window=None)] * 2) is None
+    assert uniform_sliding_window([8, 8, 8, None]) is None
+    assert uniform_sliding_window([None, None]) is None

@@ -72,7 +72,7 @@ def test_bad_speculative_config_is_a_value_error_at_start_up(value: object, mess
 @pytest.mark.parametrize(
     ("engine_args", "message"),
     [
-        ({"tensor_parallel_size": 2}, "not supported with tensor parallelism"),
+        ({"tensor_parallel_size": 2}, "not supported with tensor or pipeline parallelism"),
         ({"kv_offloading_size": 1.0}, "not supported with kv_offloading_size"),
     ],
 )
