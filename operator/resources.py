@@ -375,6 +375,7 @@ class _Context:
             "served_model_name": self.served_model_name,
             "device": "cuda" if spec.resources.gpus else "cpu",
             "tensor_parallel_size": spec.tensor_parallel_size,
+            "pipeline_parallel_size": spec.pipeline_parallel_size,
             # the router subscribes to them (router/kv_events.py)
             "enable_kv_events": engine.enable_prefix_caching and spec.router.strategy == "kv-events",
         }
@@ -460,7 +461,7 @@ class _Context:
             cache_volume = {"name": "cache", "persistentVolumeClaim": {"claimName": cache_name(self.name)}}
         else:
             cache_volume = {"name": "cache", "emptyDir": {}}
-        shm_limit = res.shm_limit(spec.tensor_parallel_size)
+        shm_limit = res.shm_limit(spec.ranks)
         volumes = [
             cache_volume,
             {"name": "tmp", "emptyDir": {}},

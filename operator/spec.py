@@ -125,13 +125,13 @@ class Resources(CamelModel):
     def memory_request(self) -> str:
         return self.memory or ("16Gi" if self.gpus else "4Gi")
 
-    def shm_limit(self, tensor_parallel_size: int) -> str:
+    def shm_limit(self, ranks: int) -> str:
         """/dev/shm's sizeLimit. NCCL keeps buffers there wherever GPUs exchange through host memory (its
         SHM transport and its proxy's host buffers: NCCL_BUFFSIZE, 4 MiB, per channel and direction, for
         each of up to 32 channels to each peer, some hundreds of MiB per rank), and torch shares tensors
         there: 1 GiB per rank holds that with room. A memory-backed emptyDir's limit is a cap, not a
         reservation: only what is written counts against the pod's memory."""
-        return self.shm_size or f"{tensor_parallel_size}Gi"
+        return self.shm_size or f"{ranks}Gi"
 
 
 def engine_setting_fields(cls: type = EngineArgs) -> dict[str, Any]:
@@ -402,9 +402,11 @@ class ModelDeploymentSpec(CamelModel):
                     "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero",
                 )["x-kubernetes-validations"],
                 *cel(
-                    "!has(self.tensorParallelSize) || !has(self.resources) || !has(self.resources.gpus)"
-                    " || self.resources.gpus == 0 || self.resources.gpus >= self.tensorParallelSize",
-                    "spec.resources.gpus must be >= spec.tensorParallelSize (one GPU per rank)",
+                    "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0"
+                    " || self.resources.gpus >= (has(self.tensorParallelSize) ? self.tensorParallelSize : 1)"
+                    " * (has(self.pipelineParallelSize) ? self.pipelineParallelSize : 1)",
+                    "spec.resources.gpus must be >= spec.tensorParallelSize * spec.pipelineParallelSize"
+                    " (one GPU per rank)",
                 )["x-kubernetes-validations"],
                 *cel(
                     "!has(self.servedModelName) || !has(self.adapters)"
@@ -452,6 +454,16 @@ class ModelDeploymentSpec(CamelModel):
         description=(
             "--tensor-parallel-size: GPUs (ranks) one engine replica splits the model across, one process"
             " each; resources.gpus must be at least this. With gpus 0 the ranks share the pod's CPUs (gloo)."
+        ),
+    )
+    pipeline_parallel_size: Int32 = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "--pipeline-parallel-size: stages the model's layers are cut into, each of tensorParallelSize"
+            " ranks, all in the engine pod (one process per rank); resources.gpus must be at least"
+            " tensorParallelSize * pipelineParallelSize."
         ),
     )
     engine: Engine = Field(default_factory=Engine, json_schema_extra=SERVER_DEFAULT_OBJECT)
@@ -511,12 +523,18 @@ class ModelDeploymentSpec(CamelModel):
 
     @model_validator(mode="after")
     def _gpus_for_ranks(self) -> ModelDeploymentSpec:
-        gpus, ranks = self.resources.gpus, self.tensor_parallel_size
+        gpus, ranks = self.resources.gpus, self.ranks
         if gpus and gpus < ranks:
-            raise ValueError(
-                f"resources.gpus ({gpus}) must be >= tensorParallelSize ({ranks}): one GPU per rank"
-            )
+            split = f"tensorParallelSize ({self.tensor_parallel_size})"
+            if self.pipeline_parallel_size > 1:
+                split += f" * pipelineParallelSize ({self.pipeline_parallel_size})"
+            raise ValueError(f"resources.gpus ({gpus}) must be >= {split}: one GPU per rank")
         return self
+
+    @property
+    def ranks(self) -> int:
+        """The engine's processes: tensorParallelSize in each of pipelineParallelSize stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @model_validator(mode="after")
     def _adapter_names(self) -> ModelDeploymentSpec:

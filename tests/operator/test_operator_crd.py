@@ -148,6 +148,8 @@ def test_design_example_is_accepted() -> None:
         ({"model": "pvc://Not_A_Claim/x"}, "spec.model"),
         ({"autoscaling__minReplicas": 0}, "spec.autoscaling.minReplicas 0 needs spec.scaleFromZero"),
         ({"tensorParallelSize": 2}, "spec.resources.gpus must be >= spec.tensorParallelSize"),
+        ({"pipelineParallelSize": 2}, "spec.resources.gpus must be >= spec.tensorParallelSize"),
+        ({"pipelineParallelSize": 0}, "spec.pipelineParallelSize"),
         ({"tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"scaleFromZero": {"scaleDownDelaySeconds": 0}}, "spec.scaleFromZero.scaleDownDelaySeconds"),
         ({"scaleFromZero": {"maxHeldRequests": 0}}, "spec.scaleFromZero.maxHeldRequests"),
@@ -187,6 +189,7 @@ def test_immutable_cache_fields_on_update() -> None:
         {"model": "m", "autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "scaleFromZero": {}},
         {"model": "m", "tensorParallelSize": 2, "resources": {"gpus": 2}},
         {"model": "embedded", "tensorParallelSize": 3, "resources": {"gpus": 0}},  # CPU ranks: no GPUs
+        {"model": "m", "tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": {"gpus": 4}},
     ],
 )
 def test_crd_defaults_agree_with_the_typed_spec(spec: dict[str, Any]) -> None:

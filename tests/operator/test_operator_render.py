@@ -52,6 +52,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "lora-adapters": md(**LORA_SPEC),
     "tensor-parallel": md(tensorParallelSize=4, resources={"gpus": 4}),
     "tensor-parallel-cpu": md(model="embedded", tensorParallelSize=3, resources={"gpus": 0}),
+    "pipeline-parallel": md(tensorParallelSize=2, pipelineParallelSize=2, resources={"gpus": 4}),
     "extra-args": md(
         engine={
             "extraArgs": ["--enforce-eager", "--seed", "7"],
@@ -75,6 +76,7 @@ SPECS: dict[str, dict[str, Any]] = {
         servedModelName="llama",
         replicas=3,
         tensorParallelSize=2,
+        pipelineParallelSize=1,
         image="registry.example/pagedserve:0.1.0",
         imagePullPolicy="IfNotPresent",
         imagePullSecrets=[{"name": "registry"}],
@@ -477,6 +479,11 @@ def test_cpu_engines_get_the_cpu_flavour_by_default() -> None:
         ({"model": "m", "bogus": True}, "spec.bogus"),
         ({"model": "m", "tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"model": "m", "tensorParallelSize": 2}, "resources.gpus (1) must be >= tensorParallelSize (2)"),
+        ({"model": "m", "pipelineParallelSize": 0}, "spec.pipelineParallelSize"),
+        (
+            {"model": "m", "tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": {"gpus": 3}},
+            "resources.gpus (3) must be >= tensorParallelSize (2) * pipelineParallelSize (2)",
+        ),
     ],
 )
 def test_bad_specs_are_rejected_naming_the_field(spec: dict[str, Any], field: str) -> None:
@@ -540,6 +547,17 @@ def test_tensor_parallel_engine_gets_its_gpus_flag_and_shared_memory() -> None:
     assert "--tensor-parallel-size" not in container(single, "llama-8b-engine")["args"]
     pod = by_kind(single)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "1Gi"
+
+
+def test_pipeline_stages_get_their_flag_and_shared_memory_per_rank() -> None:
+    """2 stages of 2 ranks: both flags, 4 GPUs, /dev/shm sized for 4 ranks."""
+    children = render(SPECS["pipeline-parallel"])
+    args = container(children, "llama-8b-engine")["args"]
+    assert args[args.index("--pipeline-parallel-size") + 1] == "2"
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    pod = by_kind(children)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "4Gi"
+    assert "--pipeline-parallel-size" not in container(render(SPECS["defaults"]), "llama-8b-engine")["args"]
 
 
 def test_tensor_parallel_on_cpu_needs_no_gpus() -> None:
