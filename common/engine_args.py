@@ -248,6 +248,24 @@ class EngineArgs:
         "turn within a step: for a model larger than one rank's memory",
         short=("-pp",), metavar="N", ge=1,
     )  # fmt: skip
+    # One engine across machines (server/executor/tp_driver.py, server/executor/headless.py): vLLM's flags.
+    nnodes: int = arg(
+        1, "machines the ranks (tensor x pipeline) are spread over, the same number on each; node 0 runs "
+        "the API and rank 0, the others run `serve --headless`",
+        metavar="N", ge=1,
+    )  # fmt: skip
+    node_rank: int = arg(0, "this machine's place among --nnodes (0: the leader)", metavar="R", ge=0)
+    master_addr: str = arg(
+        "127.0.0.1", "the leader's address, where every rank joins the group (port --master-port) and each "
+        "other node keeps a link whose loss ends the engine (port --master-port + 1)", metavar="HOST",
+    )  # fmt: skip
+    master_port: int = arg(
+        0, "the leader's port for the ranks' group; 0: any free port (one node only)", metavar="PORT",
+        ge=0, le=65534,
+    )  # fmt: skip
+    headless: bool = arg(
+        False, "run this node's ranks only, no API (every --node-rank but 0)",
+    )  # fmt: skip
     # Many adapters on the base model (server/lora/).
     enable_lora: bool = arg(
         False, "serve LoRA adapters (PEFT folders or HF ids) on the base model: a request's model names one; "

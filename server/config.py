@@ -81,8 +81,24 @@ class EngineConfig(EngineArgs):
         """The engine's ranks: tensor_parallel_size in each of pipeline_parallel_size stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    def _check_nodes(self) -> None:
+        """--nnodes: the ranks split evenly over the machines, the leader's port set, each node its place."""
+        nodes, rank = self.nnodes, self.node_rank
+        if rank >= nodes:
+            raise ValueError(f"node_rank {rank} must be below nnodes {nodes}")
+        if self.headless != (rank > 0):
+            raise ValueError("headless runs every node but the leader (node_rank 0), which serves the API")
+        if nodes == 1:
+            return
+        if self.world_size % nodes:
+            raise ValueError(f"nnodes {nodes} does not divide the {self.world_size} ranks "
+                             "(tensor_parallel_size x pipeline_parallel_size)")
+        if not self.master_port:
+            raise ValueError("nnodes > 1 needs master_port: the leader's port every node joins")
+
     def _check_parallel(self) -> None:
         """What does not run split across ranks yet is refused here, never run wrong."""
+        self._check_nodes()
         if self.world_size == 1:
             return
         split = (f"tensor_parallel_size {self.tensor_parallel_size}" if self.pipeline_parallel_size == 1
@@ -97,8 +113,9 @@ class EngineConfig(EngineArgs):
         for name, requested in refused.items():
             if requested:
                 raise ValueError(f"{split} does not support {name} yet")
-        if self.torch_device.type == "cuda" and self.world_size > torch.cuda.device_count():
-            raise ValueError(f"{split} needs {self.world_size} GPUs, "
+        local_ranks = self.world_size // self.nnodes
+        if self.torch_device.type == "cuda" and local_ranks > torch.cuda.device_count():
+            raise ValueError(f"{split} needs {local_ranks} GPUs on each of {self.nnodes} nodes, "
                              f"{torch.cuda.device_count()} are visible")
 
     def _check_draft_model(self) -> None:

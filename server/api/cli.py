@@ -179,6 +179,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid engine configuration: %s", exc)
         return 2
+    if config.headless:  # another node's ranks of a multi-node engine: no API here
+        from pagedserve.server.executor.headless import run_headless
+
+        try:
+            return run_headless(config)
+        except ValueError as exc:
+            log.error("cannot start this node's ranks: %s", exc)
+            return 2
 
     import uvicorn
     from pagedserve.server.api.app import ServerSettings, build_app

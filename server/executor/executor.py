@@ -25,28 +25,54 @@ from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from pagedserve.server.worker.model_runner import LaunchedStep, ModelRunner
 
 if TYPE_CHECKING:
+    from pagedserve.server.backend import Backend
     from pagedserve.server.executor.tp_driver import TPDriver
+    from pagedserve.server.executor.tp_worker import WorkerSpec
     from pagedserve.server.lora.manager import LoRAManager
     from pagedserve.server.lora.peft import AdapterWeights
 
 logger = logging.getLogger("pagedserve.engine")
 
 
+def resolve_model_and_backend(config: EngineConfig) -> tuple[Path, Backend]:
+    """The model folder and the kernel backend that run, recorded in the config (the front end's processor
+    and /version read them back): the same on every node of a multi-node engine."""
+    from pagedserve.server.loader import load_config, resolve_model
+    from pagedserve.server.loader.pooler_config import resolve_runner
+
+    model_path = Path(resolve_model(config.model))
+    config.runner = resolve_runner(config.runner, model_path, load_config(model_path))
+    backend = select_backend(config.torch_device, config.torch_dtype, config.attention_backend,
+                             config.torch_kv_cache_dtype)
+    config.attention_backend = backend.name  # what runs, after any fallback
+    return model_path, backend
+
+
+def ranks_spec(config: EngineConfig, model_path: Path, backend: Backend) -> WorkerSpec:
+    """What every rank builds its shard from; a model that does not split across the ranks is refused
+    first, naming its head or layer counts, before any process starts."""
+    from pagedserve.server.executor.tp_driver import make_spec
+    from pagedserve.server.loader import load_config
+    from pagedserve.server.models.registry import check_pipeline_parallel, check_tensor_parallel
+
+    hf_config = load_config(model_path)
+    check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    check_pipeline_parallel(hf_config, config.pipeline_parallel_size)
+    fields = dict(model_path=str(model_path), dtype=config.torch_dtype, device_type=config.torch_device.type,
+                  backend=backend.name, kv_cache_dtype=config.torch_kv_cache_dtype, seed=config.seed,
+                  runner=config.runner, load_format=config.load_format)
+    return make_spec(fields, config.world_size, config.tensor_parallel_size, config.nnodes,
+                     config.master_addr, config.master_port)
+
+
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         """Weights, the KV cache size that fits beside them, max_model_len, and the model runner; under
         tensor parallelism the other ranks first (each loads its own shard meanwhile)."""
-        from pagedserve.server.loader import load_config, resolve_model
-        from pagedserve.server.loader.pooler_config import resolve_runner
-
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.model_path = Path(resolve_model(config.model))
-        # What runs, resolved: the front end's processor and /version read it back from the config
-        config.runner = resolve_runner(config.runner, self.model_path, load_config(self.model_path))
         self.kv_cache_dtype = config.torch_kv_cache_dtype
-        self.backend = select_backend(self.device, self.dtype, config.attention_backend, self.kv_cache_dtype)
-        config.attention_backend = self.backend.name  # what runs, after any fallback: /version shows it
+        self.model_path, self.backend = resolve_model_and_backend(config)
         self.ranks = self._start_ranks()
         try:
             self._load_shard_and_runner()
@@ -69,20 +95,14 @@ class Executor:
         """The other ranks (tensor-parallel, and every later pipeline stage's), started and joined; None on
         one rank. A model that does not split across them is refused first, naming its head or layer
         counts, before any process starts."""
-        size, tp_size = self.config.world_size, self.config.tensor_parallel_size
-        if size == 1:
+        config = self.config
+        if config.world_size == 1:
             return None
+        from pagedserve.server.executor.node_link import link_port
         from pagedserve.server.executor.tp_driver import TPDriver
-        from pagedserve.server.loader import load_config
-        from pagedserve.server.models.registry import check_pipeline_parallel, check_tensor_parallel
 
-        hf_config = load_config(self.model_path)
-        check_tensor_parallel(hf_config, tp_size)
-        check_pipeline_parallel(hf_config, self.config.pipeline_parallel_size)
-        spec = dict(model_path=str(self.model_path), dtype=self.dtype, device_type=self.device.type,
-                    backend=self.backend.name, kv_cache_dtype=self.kv_cache_dtype, seed=self.config.seed,
-                    runner=self.config.runner, load_format=self.config.load_format)
-        return TPDriver.start(spec, size, tp_size)
+        spec = ranks_spec(config, self.model_path, self.backend)
+        return TPDriver.start(spec, link_port(config.master_port))
 
     def _load_shard_and_runner(self) -> None:
         """This rank's model (its shard under tensor parallelism), the KV cache, the runner."""

@@ -23,7 +23,7 @@ import logging
 import multiprocessing
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -33,6 +33,7 @@ from pagedserve.server.distributed.collectives import broadcast_tensor
 from pagedserve.server.distributed.messages import Command, move_tensors
 from pagedserve.server.distributed.parallel_state import PipelineStage, TensorParallel
 from pagedserve.server.exceptions import RankDiedError
+from pagedserve.server.executor.node_link import NodeLinks
 from pagedserve.server.executor.tp_worker import (
     KVBudgetRequest,
     RunnerSetup,
@@ -52,8 +53,9 @@ STOP_TIMEOUT_S = 10.0
 
 class TPDriver:
     def __init__(self, spec: WorkerSpec, workers: list[Any], tp: TensorParallel,
-                 stage: PipelineStage) -> None:
+                 stage: PipelineStage, links: NodeLinks | None = None) -> None:
         self.spec, self.workers, self.tp, self.stage = spec, workers, tp, stage
+        self.links = links  # the other nodes' links (--nnodes), watched as the local ranks are
         self.on_death: Callable[[str], None] | None = None
         self.death: str | None = None  # why the engine cannot go on, once a rank died
         self._stopping = False
@@ -61,29 +63,27 @@ class TPDriver:
         atexit.register(self.stop)
 
     @classmethod
-    def start(cls, spec_fields: dict[str, Any], size: int, tp_size: int) -> TPDriver:
-        """Spawn ranks 1 .. size-1 (``size // tp_size`` stages of ``tp_size`` ranks) and join the group as
-        rank 0 (ValueError if a group already exists)."""
+    def start(cls, spec: WorkerSpec, link_port: int = 0) -> TPDriver:
+        """Spawn this node's ranks 1 .. ranks_per_node-1 and join the group as rank 0 (ValueError if a
+        group already exists); with several nodes, first listen on ``link_port`` for their links."""
         if dist.is_initialized():
             raise ValueError("one parallel engine per process: a process group already exists")
-        spec = WorkerSpec(**spec_fields, size=size, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                          timeout_s=TIMEOUT_S, tp_size=tp_size)
-        context = multiprocessing.get_context("spawn")
-        workers = [
-            context.Process(target=run_worker, args=(rank, spec), name=f"pagedserve-tp{rank}", daemon=True)
-            for rank in range(1, size)
-        ]
-        for worker in workers:
-            worker.start()
-        logger.info("%d ranks (%d pipeline stages of %d tensor-parallel ranks), workers %s", size,
-                    size // tp_size, tp_size, [w.pid for w in workers])
+        links = NodeLinks(link_port, spec.nnodes) if spec.nnodes > 1 else None
+        workers = spawn_ranks(spec, range(1, spec.ranks_per_node))
+        logger.info("%d ranks (%d pipeline stages of %d tensor-parallel ranks) on %d nodes, local workers %s",
+                    spec.size, spec.size // spec.ranks_per_stage, spec.ranks_per_stage, spec.nnodes,
+                    [w.pid for w in workers])
         try:
             tp, stage = _join_watching(spec, workers)
+            if links is not None:
+                links.wait_all()
         except BaseException:
             for worker in workers:
                 worker.kill()
+            if links is not None:
+                links.close()
             raise
-        return cls(spec, workers, tp, stage)
+        return cls(spec, workers, tp, stage, links)
 
     # ---- each model call, to every rank -------------------------------------------------------------
 
@@ -130,12 +130,17 @@ class TPDriver:
     # ---- lifetime -----------------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        ready = wait([worker.sentinel for worker in self.workers])
+        links = self.links.sockets if self.links is not None else {}
+        ready = wait([worker.sentinel for worker in self.workers] + list(links))
         if self._stopping:
             return
-        rank, worker = next((r, w) for r, w in enumerate(self.workers, start=1) if w.sentinel in ready)
-        worker.join(1.0)  # its sentinel closes as it dies, a moment before its exit code can be read
-        self.death = _death_message(self.spec, rank, worker)
+        lost = [node for sock, node in links.items() if sock in ready]
+        if lost:
+            self.death = self.links.lost_message(lost[0], self.spec)  # type: ignore[union-attr]
+        else:
+            rank, worker = next((r, w) for r, w in enumerate(self.workers, start=1) if w.sentinel in ready)
+            worker.join(1.0)  # its sentinel closes as it dies, a moment before its exit code can be read
+            self.death = _death_message(self.spec, rank, worker)
         logger.error("%s; the engine cannot go on", self.death)
         if self.on_death is not None:
             self.on_death(self.death)
@@ -155,8 +160,30 @@ class TPDriver:
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+        if self.links is not None:
+            self.links.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def make_spec(fields: dict[str, Any], size: int, tp_size: int, nnodes: int = 1,
+              master_addr: str = "127.0.0.1", master_port: int = 0) -> WorkerSpec:
+    """Every rank's spec: the group at ``master_addr:master_port`` (0: a free loopback port, one node)."""
+    port = master_port or _free_port()
+    return WorkerSpec(**fields, size=size, init_method=f"tcp://{master_addr}:{port}", timeout_s=TIMEOUT_S,
+                      tp_size=tp_size, nnodes=nnodes)
+
+
+def spawn_ranks(spec: WorkerSpec, ranks: Iterable[int]) -> list[Any]:
+    """One started process per rank (multiprocessing's spawn: no state inherited from this process)."""
+    context = multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=run_worker, args=(rank, spec), name=f"pagedserve-rank{rank}", daemon=True)
+        for rank in ranks
+    ]
+    for worker in workers:
+        worker.start()
+    return workers
 
 
 def _free_port() -> int:

@@ -45,6 +45,11 @@ class WorkerSpec:
     runner: str = "generate"  # "pooling": no LM head (server/loader/weights.py load_model)
     load_format: str = "auto"  # "dummy": random weights
     tp_size: int = 0  # the ranks of one pipeline stage; 0: all of them (one stage)
+    nnodes: int = 1  # machines the ranks are spread over, size // nnodes on each (--nnodes)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.size // self.nnodes
 
     @property
     def ranks_per_stage(self) -> int:
@@ -78,8 +83,10 @@ class KVBudgetRequest:
     gpu_memory_utilization: float
 
 
-def rank_device(device_type: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
+    """Rank r's device: GPU r on its machine (ranks are numbered node by node), or the CPU."""
+    local = rank % spec.ranks_per_node
+    return torch.device("cuda", local) if spec.device_type == "cuda" else torch.device("cpu")
 
 
 def init_group(spec: WorkerSpec, rank: int) -> tuple[TensorParallel, PipelineStage]:
@@ -89,7 +96,7 @@ def init_group(spec: WorkerSpec, rank: int) -> tuple[TensorParallel, PipelineSta
 
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
     if spec.device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank_device(spec, rank))
     dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.size,
                             timeout=timedelta(seconds=spec.timeout_s))
     per_stage = spec.ranks_per_stage
@@ -147,7 +154,7 @@ def run_worker(rank: int, spec: WorkerSpec) -> None:
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     if spec.device_type == "cpu":
         # The ranks share the machine's cores: each takes its part, not all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
     torch.manual_seed(spec.seed)
     tp, stage = init_group(spec, rank)
     try:
@@ -162,7 +169,7 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel, stage: PipelineStage
     from pagedserve.server.loader import load_model
     from pagedserve.server.worker.model_runner import ModelRunner
 
-    device = rank_device(spec.device_type, rank)
+    device = rank_device(spec, rank)
     backend = select_backend(device, spec.dtype, spec.backend, spec.kv_cache_dtype)
     model, _ = load_model(spec.model_path, spec.dtype, device, backend=backend, tp=tp, stage=stage,
                           runner=spec.runner, load_format=spec.load_format)

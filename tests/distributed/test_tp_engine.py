@@ -226,6 +226,21 @@ def test_a_later_stage_reads_only_its_layers(llama_5_layers: Path) -> None:
     torch.testing.assert_close(model.model.norm.weight, full["model.norm.weight"])
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"nnodes": 2, "pipeline_parallel_size": 3, "master_port": 29500}, "nnodes 2 does not divide the 3"),
+        ({"nnodes": 2, "pipeline_parallel_size": 2}, "nnodes > 1 needs master_port"),
+        ({"nnodes": 2, "node_rank": 2}, "node_rank 2 must be below nnodes 2"),
+        ({"nnodes": 2, "node_rank": 1, "pipeline_parallel_size": 2, "master_port": 1}, "headless runs"),
+        ({"headless": True}, "headless runs every node but the leader"),
+    ],
+)
+def test_what_several_nodes_need(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(**fields)
+
+
 def test_what_pipeline_parallelism_refuses() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size 2 does not support enable_lora"):
         EngineConfig(pipeline_parallel_size=2, enable_lora=True)

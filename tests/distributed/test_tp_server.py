@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism through the real server (`pagedserve serve --tensor-parallel-size N`,
-`--pipeline-parallel-size N`) and the official openai client: greedy completions equal one rank's token for
-token; a killed rank ends the server with a clear error within seconds; a model whose heads do not split is
-refused at start.
+`--pipeline-parallel-size N`, and across two "nodes" of this machine with `--nnodes 2` and a `--headless`
+node) and the official openai client: greedy completions equal one rank's token for token; a killed rank
+or node ends the server with a clear error within seconds, and a node outlives no leader; a model whose
+heads do not split is refused at start.
 
 The embedded SmolLM2 (9 query heads, 3 KV heads) splits across 3 ranks, not 2; the 2-rank cases run on a
 seeded random Llama (tests/distributed/conftest.py).
@@ -9,8 +10,10 @@ seeded random Llama (tests/distributed/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +21,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pagedserve.server.loader.default_model import default_model
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, default_model
+from pagedserve.testing.net import free_port
 from pagedserve.testing.processes import (
     ManagedProcess,
     ServerProcess,
@@ -145,6 +148,59 @@ def test_two_stages_answer_as_one_rank_and_a_killed_stage_ends_the_server(tmp_pa
         assert server.process.wait(EXIT_BOUND_S) != 0
         log = server.log_text()
         assert f"rank 1 (pipeline stage 1) (pid {worker}) exited with code -9" in log, server.log_tail()
+
+
+def _two_node_ports() -> tuple[int, int]:
+    """(API port, master port) with the link port after the master port free as well."""
+    while True:
+        master = free_port()
+        with contextlib.suppress(OSError), socket.create_server(("", master + 1)):
+            return free_port(), master
+
+
+def _two_nodes(tmp_path: Path, model: Path) -> tuple[ServerProcess, ManagedProcess]:
+    """A 2-stage engine whose stage 1 runs on "node 1": its own `serve --headless` process (both started
+    by `with`)."""
+    port, master = _two_node_ports()
+    nodes = ["-pp", "2", "--nnodes", "2", "--master-port", str(master), *FLAGS]
+    leader = serve_process(tmp_path / "node0.log", str(model), *nodes, port=port)
+    argv = pagedserve_argv("serve", str(model), *nodes, "--node-rank", "1", "--headless")
+    other = ManagedProcess(argv=argv, log_path=tmp_path / "node1.log")
+    return leader, other
+
+
+def test_two_nodes_answer_as_one_rank_and_a_lost_node_ends_the_server(tmp_path: Path,
+                                                                      llama_kv2: Path) -> None:
+    leader, other = _two_nodes(tmp_path, llama_kv2)
+    with leader, other:
+        leader.wait_ready(STARTUP_TIMEOUT_S)
+        assert completions(leader, PROMPTS, max_tokens=12) == one_rank(llama_kv2, PROMPTS, 12)
+        assert leader.process is not None and other.process is not None
+        (rank,) = spawn_children(other.pid)
+        other.kill()  # the node's process and its rank, as a pod's deletion does
+        assert leader.process.wait(EXIT_BOUND_S) != 0
+        log = leader.log_text()
+        assert "node 1 (ranks 1..1) lost its link to the leader" in log, leader.log_tail()
+        assert not alive(rank)
+
+
+@pytest.mark.heavy
+def test_a_node_stops_with_its_leader(tmp_path: Path, llama_kv2: Path) -> None:
+    """SIGTERM to the leader: its stop command ends the node's rank, and the node exits 0; kill -9 of the
+    leader's whole process group instead (its machine gone): the link closes, and the node stops its rank
+    and exits 1."""
+    for how, code in (("SIGTERM", 0), ("kill", 1)):
+        leader, other = _two_nodes(tmp_path / how, llama_kv2)
+        with leader, other:
+            leader.wait_ready(STARTUP_TIMEOUT_S)
+            (rank,) = spawn_children(other.pid)
+            if how == "kill":
+                leader.kill()
+            else:
+                os.kill(leader.pid, signal.SIGTERM)
+            assert other.process is not None
+            assert other.process.wait(EXIT_BOUND_S) == code, other.log_tail()
+            assert not alive(rank)
 
 
 def test_heads_that_do_not_split_are_refused_at_start(tmp_path: Path) -> None:

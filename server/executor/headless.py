@@ -1,0 +1,69 @@
+"""A node of a multi-node engine other than the leader: `pagedserve serve --headless --node-rank R` runs
+this machine's ranks and no API (vLLM's --headless).
+
+It links to the leader first (server/executor/node_link.py), then spawns its ranks
+(server/executor/tp_worker.py), which join the leader's group and do what rank 0 tells them. It stays
+until they end: all of them cleanly (the leader's stop command) is exit 0; one dying, or the leader's link
+closing, stops the others and is exit 1, so the pod restarts and LeaderWorkerSet recreates the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.server.executor.executor import ranks_spec, resolve_model_and_backend
+from pagedserve.server.executor.node_link import connect_to_leader, link_port
+from pagedserve.server.executor.tp_driver import spawn_ranks
+
+if TYPE_CHECKING:
+    from pagedserve.server.config import EngineConfig
+
+logger = logging.getLogger("pagedserve.tp")
+
+LEADER_WAIT_S = 1800.0  # a node may start long before its leader (image pulls, a large model's download)
+STOP_GRACE_S = 10.0
+
+
+def run_headless(config: EngineConfig) -> int:
+    model_path, backend = resolve_model_and_backend(config)
+    spec = ranks_spec(config, model_path, backend)
+    address, port = config.master_addr, link_port(config.master_port)
+    logger.info("node %d of %d: linking to the leader at %s:%d", config.node_rank, config.nnodes, address,
+                port)
+    link = connect_to_leader(address, port, config.node_rank, LEADER_WAIT_S)
+    first = config.node_rank * spec.ranks_per_node
+    workers = spawn_ranks(spec, range(first, first + spec.ranks_per_node))
+    logger.info("node %d: ranks %d..%d started, pids %s", config.node_rank, first,
+                first + spec.ranks_per_node - 1, [w.pid for w in workers])
+    # Stopped by the leader (its stop command ends the ranks), by the link's loss, or by a signal here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(_stop(workers, "SIGTERM")))
+    return _supervise(workers, link, first)
+
+
+def _supervise(workers: list[Any], link: Any, first: int) -> int:
+    running = {worker.sentinel: (rank, worker) for rank, worker in enumerate(workers, start=first)}
+    while running:
+        ready = wait([*running, link])
+        if link in ready and not link.recv(1):
+            return _stop(workers, "the leader's link closed")
+        for sentinel in [s for s in ready if s in running]:
+            rank, worker = running.pop(sentinel)
+            worker.join()
+            if worker.exitcode != 0:
+                return _stop(workers, f"rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}")
+    logger.info("every rank of this node stopped cleanly")
+    return 0
+
+
+def _stop(workers: list[Any], why: str) -> int:
+    logger.error("stopping this node's ranks: %s", why)
+    for worker in workers:
+        worker.join(STOP_GRACE_S if worker.is_alive() and why == "SIGTERM" else 0)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    return 0 if why == "SIGTERM" else 1
