@@ -135,6 +135,7 @@ def test_ranks_exit_with_a_killed_engine(tmp_path: Path, llama_kv2: Path) -> Non
         assert not alive(core), "the engine core outlived its server"
 
 
+@pytest.mark.heavy
 def test_two_stages_answer_as_one_rank_and_a_killed_stage_ends_the_server(tmp_path: Path,
                                                                        llama_kv2: Path) -> None:
     """``-pp 2``: one layer per stage; the second stage's rank killed ends the server, naming it."""
@@ -169,6 +170,7 @@ def _two_nodes(tmp_path: Path, model: Path) -> tuple[ServerProcess, ManagedProce
     return leader, other
 
 
+@pytest.mark.heavy
 def test_two_nodes_answer_as_one_rank_and_a_lost_node_ends_the_server(tmp_path: Path,
                                                                       llama_kv2: Path) -> None:
     leader, other = _two_nodes(tmp_path, llama_kv2)
