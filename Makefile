@@ -65,9 +65,9 @@ test: setup tools
 
 # The tests marked heavy (pyproject.toml): the draft-model variants of speculative decoding, the Triton
 # kernels under the interpreter, tensor parallelism over three ranks, pipeline stages and two "nodes"
-# through the server, the router fuzz, and the slowest
-# integration and fault tests (the router over a fleet of real engines, live Prometheus, starts killed
-# mid-build and restarted); about ten minutes kept out of `make test` so that stays near 15.
+# through the server, the router fuzz, and the slowest integration and fault tests (the router over a
+# fleet of real engines, live Prometheus, starts killed mid-build and restarted); about ten minutes kept
+# out of `make test` so that stays near 15.
 test-heavy: setup tools
 	$(BIN)/pytest -q tests -m heavy
 
