@@ -215,9 +215,11 @@ async def reconcile(
             result.errors.append(f"{kind}/{child}: {error}")
 
     error = "; ".join(result.errors) or None
+    engine = engine_name(name)
     result.status = compute_status(
         modeldeployment,
-        engine=live.get(f"Deployment/{engine_name(name)}"),
+        # a Deployment, or a LeaderWorkerSet when the replicas span several nodes (whose status reads alike)
+        engine=live.get(f"Deployment/{engine}") or live.get(f"LeaderWorkerSet/{engine}"),
         router=live.get(f"Deployment/{router_name(name)}"),
         replicas=spec.replicas,
         router_replicas=spec.router.replicas,

@@ -6,7 +6,9 @@ rendered containers as local processes.
 
 Children, all named after the ModelDeployment ``<name>``:
 
-- ``<name>-engine``  Deployment (``pagedserve serve``) and headless Service (the router's discovery)
+- ``<name>-engine``  Deployment (``pagedserve serve``), or with ``nodes`` > 1 a LeaderWorkerSet (a group of
+                     pods per replica: the leader serves, the others run ``serve --headless``), and a
+                     headless Service of the serving pods (the router's discovery)
 - ``<name>-router``  Deployment (``pagedserve router``), ServiceAccount, Role, RoleBinding
 - ``<name>``         ClusterIP Service in front of the router: the OpenAI endpoint
                      ``http://<name>.<namespace>.svc/v1``
@@ -41,6 +43,13 @@ MANAGER = "pagedserve-operator"
 APP_NAME = "pagedserve"
 HASH_ANNOTATION = "pagedserve.io/spec-hash"
 ENGINE_PORT = 8000
+# A multi-node engine's group (spec.nodes > 1): the leader's port where every rank joins (--master-port),
+# and the one after it, where each other node keeps its link (server/executor/node_link.py).
+MASTER_PORT = 29500
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# LeaderWorkerSet's own environment in every pod of a group: the leader's address, each pod's index.
+LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 ROUTER_PORT = 8000
 SERVICE_PORT = 80
 HF_HOME = "/cache/huggingface"
@@ -88,6 +97,7 @@ DEFAULT_ROUTER_IMAGE = f"pagedserve/pagedserve-control:{__version__}"
 # Every kind render() may produce: apiVersion, kind -> plural (for the REST paths).
 CHILD_KINDS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
+    (LWS_API_VERSION, "LeaderWorkerSet"): "leaderworkersets",
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
@@ -150,6 +160,7 @@ def potential_children(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every child any spec of this ModelDeployment can produce."""
     return [
         ("apps/v1", "Deployment", engine_name(name)),
+        (LWS_API_VERSION, "LeaderWorkerSet", engine_name(name)),
         ("apps/v1", "Deployment", router_name(name)),
         ("v1", "Service", engine_name(name)),
         ("v1", "Service", name),
@@ -224,7 +235,7 @@ def render(
     ctx.startup_adapters = startup_adapters(modeldeployment, spec)
 
     children = [
-        ctx.engine_deployment(),
+        ctx.engine_leader_worker_set() if spec.nodes > 1 else ctx.engine_deployment(),
         ctx.engine_service(),
         ctx.router_service_account(),
         ctx.router_role(),
@@ -379,6 +390,8 @@ class _Context:
             # the router subscribes to them (router/kv_events.py)
             "enable_kv_events": engine.enable_prefix_caching and spec.router.strategy == "kv-events",
         }
+        if spec.nodes > 1:  # the group's leader; its other pods add worker_args()
+            values.update(nnodes=spec.nodes, master_addr=LWS_LEADER_ADDRESS, master_port=MASTER_PORT)
         if not spec.resources.gpus:  # no GPU memory to share out
             values.pop("gpu_memory_utilization")
         if self.lora:
@@ -412,7 +425,9 @@ class _Context:
         digest = hashlib.sha256(adapter_set_json(self.startup_adapters).encode()).hexdigest()[:16]
         return {ADAPTERS_HASH_ANNOTATION: digest}
 
-    def engine_deployment(self) -> dict[str, Any]:
+    def engine_pod_template(self, worker: bool = False) -> dict[str, Any]:
+        """The engine pods' template; ``worker``: a LeaderWorkerSet group's other pods, which run their
+        ranks headless (no API: no probes, no port, not scraped, not selected by the engine Service)."""
         spec, res = self.spec, self.spec.resources
         requests = {"cpu": res.cpu_request, "memory": res.memory_request}
         limits = {"memory": res.memory_request}
@@ -430,7 +445,7 @@ class _Context:
             "name": "engine",
             **self.container_common(self.image),
             "command": ["pagedserve", "serve"],
-            "args": self.engine_args(),
+            "args": self.engine_args() + (self.worker_args() if worker else []),
             "env": self.common_env({**WRITABLE_ENV, **ENGINE_WRITABLE_ENV}, "PAGEDSERVE_API_KEY")
             + self.lora_env()
             + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env],
@@ -461,7 +476,7 @@ class _Context:
             cache_volume = {"name": "cache", "persistentVolumeClaim": {"claimName": cache_name(self.name)}}
         else:
             cache_volume = {"name": "cache", "emptyDir": {}}
-        shm_limit = res.shm_limit(spec.ranks)
+        shm_limit = res.shm_limit(spec.ranks_per_pod)
         volumes = [
             cache_volume,
             {"name": "tmp", "emptyDir": {}},
@@ -488,6 +503,24 @@ class _Context:
             pod_spec["nodeSelector"] = dict(spec.node_selector)
         if tolerations:
             pod_spec["tolerations"] = tolerations
+        if worker:
+            for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe"):
+                del container[key]
+        component = "engine-worker" if worker else "engine"
+        annotations = {**self.lora_annotations(), **spec.pod_annotations}
+        if not worker:
+            annotations = {**self.scrape_annotations(ENGINE_PORT), **annotations}
+        return {
+            "metadata": {"labels": labels(self.name, component), "annotations": annotations},
+            "spec": pod_spec,
+        }
+
+    def worker_args(self) -> list[str]:
+        """What a group's other pods add to the leader's arguments: their place, and no API."""
+        return ["--node-rank", LWS_WORKER_INDEX, "--headless"]
+
+    def engine_deployment(self) -> dict[str, Any]:
+        spec = self.spec
         return {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -497,16 +530,26 @@ class _Context:
                 "selector": {"matchLabels": selector_labels(self.name, "engine")},
                 # A rollout waits for model loading; only then is it "stuck".
                 "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + 600,
-                "template": {
-                    "metadata": {
-                        "labels": labels(self.name, "engine"),
-                        "annotations": {
-                            **self.scrape_annotations(ENGINE_PORT),
-                            **self.lora_annotations(),
-                            **spec.pod_annotations,
-                        },
-                    },
-                    "spec": pod_spec,
+                "template": self.engine_pod_template(),
+            },
+        }
+
+    def engine_leader_worker_set(self) -> dict[str, Any]:
+        """One group of spec.nodes pods per replica (LeaderWorkerSet): created together, and recreated
+        together when any of them restarts, since the engine's ranks cannot rejoin a running group."""
+        return {
+            "apiVersion": LWS_API_VERSION,
+            "kind": "LeaderWorkerSet",
+            "metadata": self.meta(engine_name(self.name), "engine"),
+            "spec": {
+                "replicas": self.spec.replicas,
+                # The workers start with the leader, not after it is ready: it is ready only once they joined.
+                "startupPolicy": "LeaderCreated",
+                "leaderWorkerTemplate": {
+                    "size": self.spec.nodes,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": self.engine_pod_template(),
+                    "workerTemplate": self.engine_pod_template(worker=True),
                 },
             },
         }

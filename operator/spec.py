@@ -403,10 +403,17 @@ class ModelDeploymentSpec(CamelModel):
                 )["x-kubernetes-validations"],
                 *cel(
                     "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0"
-                    " || self.resources.gpus >= (has(self.tensorParallelSize) ? self.tensorParallelSize : 1)"
+                    " || self.resources.gpus * (has(self.nodes) ? self.nodes : 1)"
+                    " >= (has(self.tensorParallelSize) ? self.tensorParallelSize : 1)"
                     " * (has(self.pipelineParallelSize) ? self.pipelineParallelSize : 1)",
                     "spec.resources.gpus must be >= spec.tensorParallelSize * spec.pipelineParallelSize"
-                    " (one GPU per rank)",
+                    " / spec.nodes (one GPU per rank)",
+                )["x-kubernetes-validations"],
+                *cel(
+                    "!has(self.nodes) || ((has(self.tensorParallelSize) ? self.tensorParallelSize : 1)"
+                    " * (has(self.pipelineParallelSize) ? self.pipelineParallelSize : 1)) % self.nodes == 0",
+                    "spec.nodes must divide spec.tensorParallelSize * spec.pipelineParallelSize (the same"
+                    " number of ranks on each node)",
                 )["x-kubernetes-validations"],
                 *cel(
                     "!has(self.servedModelName) || !has(self.adapters)"
@@ -466,6 +473,18 @@ class ModelDeploymentSpec(CamelModel):
             " tensorParallelSize * pipelineParallelSize."
         ),
     )
+    nodes: Int32 = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Machines one engine replica spans (--nnodes). Above 1, each replica is a LeaderWorkerSet group"
+            " of this many pods: the leader serves the API and rank 0, the others run their ranks headless;"
+            " the group starts, fails and restarts as one, and the router sees one endpoint per group."
+            " Needs the LeaderWorkerSet controller (leaderworkerset.x-k8s.io/v1) in the cluster;"
+            " resources apply to each pod."
+        ),
+    )
     engine: Engine = Field(default_factory=Engine, json_schema_extra=SERVER_DEFAULT_OBJECT)
     router: Router = Field(default_factory=Router, json_schema_extra=SERVER_DEFAULT_OBJECT)
     model_cache: ModelCache | None = Field(
@@ -523,11 +542,15 @@ class ModelDeploymentSpec(CamelModel):
 
     @model_validator(mode="after")
     def _gpus_for_ranks(self) -> ModelDeploymentSpec:
-        gpus, ranks = self.resources.gpus, self.ranks
-        if gpus and gpus < ranks:
-            split = f"tensorParallelSize ({self.tensor_parallel_size})"
-            if self.pipeline_parallel_size > 1:
-                split += f" * pipelineParallelSize ({self.pipeline_parallel_size})"
+        split = f"tensorParallelSize ({self.tensor_parallel_size})"
+        if self.pipeline_parallel_size > 1:
+            split += f" * pipelineParallelSize ({self.pipeline_parallel_size})"
+        if self.ranks % self.nodes:
+            raise ValueError(f"nodes ({self.nodes}) must divide {split}: as many ranks on each node")
+        if self.nodes > 1:
+            split += f" / nodes ({self.nodes})"
+        gpus = self.resources.gpus
+        if gpus and gpus < self.ranks_per_pod:
             raise ValueError(f"resources.gpus ({gpus}) must be >= {split}: one GPU per rank")
         return self
 
@@ -535,6 +558,11 @@ class ModelDeploymentSpec(CamelModel):
     def ranks(self) -> int:
         """The engine's processes: tensorParallelSize in each of pipelineParallelSize stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_pod(self) -> int:
+        """The ranks each engine pod runs: all of them, or its node's share of a LeaderWorkerSet group."""
+        return self.ranks // self.nodes
 
     @model_validator(mode="after")
     def _adapter_names(self) -> ModelDeploymentSpec:

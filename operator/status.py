@@ -70,7 +70,8 @@ def _now() -> str:
 
 
 class Rollout:
-    """What one child Deployment says about itself."""
+    """What one child Deployment (or the engine's LeaderWorkerSet: replicas, readyReplicas, updatedReplicas
+    and observedGeneration alike) says about itself."""
 
     def __init__(self, deployment: dict[str, Any] | None, desired: int) -> None:
         deployment = deployment or {}
@@ -84,8 +85,12 @@ class Rollout:
         observed = status.get("observedGeneration")
         self.observed = observed is not None and (generation is None or observed >= generation)
         self.failure = ""
+        # A Deployment's Progressing False is a rollout that gave up; a LeaderWorkerSet's only says that none
+        # is under way.
+        deployment_kind = deployment.get("kind", "Deployment") == "Deployment"
         for condition in status.get("conditions") or []:
-            if condition.get("type") == "Progressing" and condition.get("status") == "False":
+            if (deployment_kind and condition.get("type") == "Progressing"
+                    and condition.get("status") == "False"):
                 self.failure = condition.get("message") or condition.get("reason") or "rollout stuck"
             if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
                 self.failure = condition.get("message") or condition.get("reason") or "replica failure"

@@ -100,6 +100,51 @@ def builtin_errors(manifest: dict[str, Any], minor: str) -> list[str]:
     return sorted(describe(error) for error in validator.iter_errors(manifest))
 
 
+# -- LeaderWorkerSet --------------------------------------------------------------------------------
+
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# The LeaderWorkerSet fields the operator writes, as LWS v1 defines them (its Go API,
+# api/leaderworkerset/v1/leaderworkerset_types.go in kubernetes-sigs/lws): no registry reachable here
+# ships its CRD, so this is written from that definition, and the pod templates inside are checked against
+# Kubernetes' own PodTemplateSpec schema.
+_LWS_SPEC = {
+    "type": "object",
+    "required": ["leaderWorkerTemplate"],
+    "additionalProperties": False,
+    "properties": {
+        "replicas": {"type": "integer", "minimum": 0},
+        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+        "leaderWorkerTemplate": {
+            "type": "object",
+            "required": ["workerTemplate"],
+            "additionalProperties": False,
+            "properties": {
+                "size": {"type": "integer", "minimum": 1},
+                "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
+                "leaderTemplate": {"type": "object"},
+                "workerTemplate": {"type": "object"},
+            },
+        },
+    },
+}
+
+
+def lws_errors(manifest: dict[str, Any], minor: str) -> list[str]:
+    """A LeaderWorkerSet's envelope against ``_LWS_SPEC``, each pod template as a v1 PodTemplate."""
+    validator = jsonschema.Draft202012Validator(_LWS_SPEC)
+    spec = manifest.get("spec") or {}
+    # describe() names the spec's own level <root>: the API server would say spec
+    problems = [f"spec.{describe(e)}".replace("spec.<root>", "spec") for e in validator.iter_errors(spec)]
+    templates = spec.get("leaderWorkerTemplate") or {}
+    for role in ("leaderTemplate", "workerTemplate"):
+        if role in templates:
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                       "template": templates[role]}
+            problems += [f"spec.leaderWorkerTemplate.{role}.{p.removeprefix('template.')}"
+                         for p in builtin_errors(wrapped, minor)]
+    return sorted(problems)
+
+
 # -- Prometheus Operator kinds ------------------------------------------------------------------------
 
 
@@ -348,6 +393,8 @@ def errors(manifest: dict[str, Any], minor: str) -> list[str]:
         return sorted(describe(error) for error in keda_validator(kind).iter_errors(manifest))
     if (api_version, kind) == ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
         return crd_errors(manifest, minor)
+    if (api_version, kind) == (LWS_API_VERSION, "LeaderWorkerSet"):
+        return lws_errors(manifest, minor)
     return builtin_errors(manifest, minor)
 
 

@@ -52,6 +52,21 @@ def test_prometheus_operator_kinds_are_strict() -> None:
     assert any("podMetricsEndpoints.0.scheme" in e for e in problems), problems
 
 
+def test_leaderworkersets_are_checked_envelope_and_pod_templates() -> None:
+    multi_node = {**MD, "spec": {"model": "m", "nodes": 2, "pipelineParallelSize": 2}}
+    lws = copy.deepcopy(next(c for c in render(multi_node) if c["kind"] == "LeaderWorkerSet"))
+    assert manifest_errors(lws) == []
+    group = lws["spec"]["leaderWorkerTemplate"]
+    group["restartPolicy"] = "Always"
+    group["workerTemplate"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    lws["spec"]["sizee"] = 2
+    problems = errors(lws, KUBERNETES_MINORS[0])
+    assert any("leaderWorkerTemplate.restartPolicy" in e for e in problems), problems
+    worker = "workerTemplate.spec.containers.0"
+    assert any(worker in e and "imagePullPolicyy" in e for e in problems), problems
+    assert any(e.startswith("spec: ") and "sizee" in e for e in problems), problems
+
+
 def test_structural_rules_catch_what_the_api_server_rejects() -> None:
     assert structural_errors({"type": "object", "properties": {"a": {"description": "no type"}}}) == [
         "a: no type"

@@ -150,6 +150,7 @@ def test_design_example_is_accepted() -> None:
         ({"tensorParallelSize": 2}, "spec.resources.gpus must be >= spec.tensorParallelSize"),
         ({"pipelineParallelSize": 2}, "spec.resources.gpus must be >= spec.tensorParallelSize"),
         ({"pipelineParallelSize": 0}, "spec.pipelineParallelSize"),
+        ({"nodes": 3, "tensorParallelSize": 2}, "spec.nodes must divide"),
         ({"tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"scaleFromZero": {"scaleDownDelaySeconds": 0}}, "spec.scaleFromZero.scaleDownDelaySeconds"),
         ({"scaleFromZero": {"maxHeldRequests": 0}}, "spec.scaleFromZero.maxHeldRequests"),
@@ -190,6 +191,8 @@ def test_immutable_cache_fields_on_update() -> None:
         {"model": "m", "tensorParallelSize": 2, "resources": {"gpus": 2}},
         {"model": "embedded", "tensorParallelSize": 3, "resources": {"gpus": 0}},  # CPU ranks: no GPUs
         {"model": "m", "tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": {"gpus": 4}},
+        {"model": "m", "tensorParallelSize": 8, "pipelineParallelSize": 2, "nodes": 2,
+         "resources": {"gpus": 8}},
     ],
 )
 def test_crd_defaults_agree_with_the_typed_spec(spec: dict[str, Any]) -> None:

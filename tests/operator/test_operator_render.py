@@ -53,6 +53,9 @@ SPECS: dict[str, dict[str, Any]] = {
     "tensor-parallel": md(tensorParallelSize=4, resources={"gpus": 4}),
     "tensor-parallel-cpu": md(model="embedded", tensorParallelSize=3, resources={"gpus": 0}),
     "pipeline-parallel": md(tensorParallelSize=2, pipelineParallelSize=2, resources={"gpus": 4}),
+    "multi-node": md(
+        replicas=2, tensorParallelSize=8, pipelineParallelSize=2, nodes=2, resources={"gpus": 8}
+    ),
     "extra-args": md(
         engine={
             "extraArgs": ["--enforce-eager", "--seed", "7"],
@@ -77,6 +80,7 @@ SPECS: dict[str, dict[str, Any]] = {
         replicas=3,
         tensorParallelSize=2,
         pipelineParallelSize=1,
+        nodes=1,
         image="registry.example/pagedserve:0.1.0",
         imagePullPolicy="IfNotPresent",
         imagePullSecrets=[{"name": "registry"}],
@@ -480,6 +484,11 @@ def test_cpu_engines_get_the_cpu_flavour_by_default() -> None:
         ({"model": "m", "tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"model": "m", "tensorParallelSize": 2}, "resources.gpus (1) must be >= tensorParallelSize (2)"),
         ({"model": "m", "pipelineParallelSize": 0}, "spec.pipelineParallelSize"),
+        ({"model": "m", "nodes": 3, "tensorParallelSize": 2}, "nodes (3) must divide"),
+        (
+            {"model": "m", "nodes": 2, "tensorParallelSize": 8, "resources": {"gpus": 2}},
+            "resources.gpus (2) must be >= tensorParallelSize (8) / nodes (2)",
+        ),
         (
             {"model": "m", "tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": {"gpus": 3}},
             "resources.gpus (3) must be >= tensorParallelSize (2) * pipelineParallelSize (2)",
@@ -558,6 +567,30 @@ def test_pipeline_stages_get_their_flag_and_shared_memory_per_rank() -> None:
     pod = by_kind(children)[("Deployment", "llama-8b-engine")]["spec"]["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "4Gi"
     assert "--pipeline-parallel-size" not in container(render(SPECS["defaults"]), "llama-8b-engine")["args"]
+
+
+def test_replicas_across_nodes_are_leaderworkerset_groups() -> None:
+    """nodes 2: one LeaderWorkerSet (no engine Deployment), a group of 2 pods per replica; the leader serves
+    and leads the ranks' group, the other pod runs its ranks headless; only leaders are engine endpoints."""
+    children = by_kind(render(SPECS["multi-node"]))
+    assert ("Deployment", "llama-8b-engine") not in children
+    lws = children[("LeaderWorkerSet", "llama-8b-engine")]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert (lws["spec"]["replicas"], group["size"]) == (2, 2)
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = group["leaderTemplate"]["spec"]["containers"][0]
+    worker = group["workerTemplate"]["spec"]["containers"][0]
+    args = leader["args"]
+    assert args[args.index("--nnodes") + 1] == "2"
+    assert args[args.index("--master-addr") + 1] == "$(LWS_LEADER_ADDRESS)"
+    assert args[args.index("--master-port") + 1] == "29500"
+    assert worker["args"] == [*args, "--node-rank", "$(LWS_WORKER_INDEX)", "--headless"]
+    assert "readinessProbe" in leader and "readinessProbe" not in worker and "ports" not in worker
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == "8"  # 16 ranks over 2 pods
+    leader_labels = group["leaderTemplate"]["metadata"]["labels"]
+    worker_labels = group["workerTemplate"]["metadata"]["labels"]
+    selector = children[("Service", "llama-8b-engine")]["spec"]["selector"]
+    assert selector.items() <= leader_labels.items() and not selector.items() <= worker_labels.items()
 
 
 def test_tensor_parallel_on_cpu_needs_no_gpus() -> None:

@@ -133,3 +133,15 @@ def test_quantities_the_api_server_normalised_are_no_drift() -> None:
     assert not contains(want, changed)
     # only quantity fields: elsewhere "1k" and "1e3" stay different strings
     assert not contains({"env": [{"name": "N", "value": "1e3"}]}, {"env": [{"name": "N", "value": "1k"}]})
+
+
+def test_a_leaderworkerset_engine_reads_as_a_deployment() -> None:
+    """spec.nodes > 1: the engine's LeaderWorkerSet reports groups as replicas; its Progressing False only
+    says no rollout is under way (a Deployment's says the rollout gave up)."""
+    done = [{"type": "Available", "status": "True"}, {"type": "Progressing", "status": "False"}]
+    groups = {**deployment(2, 2, conditions=done), "kind": "LeaderWorkerSet"}
+    ready = status(groups, deployment(2, 2))
+    assert ready["phase"] == "Ready"
+    gave_up = [{"type": "Progressing", "status": "False", "message": "gave up"}]
+    stuck = deployment(2, 1, conditions=gave_up)
+    assert status(stuck, deployment(2, 2))["phase"] == "Failed"
