@@ -28,6 +28,7 @@ from pagedserve.testing.processes import (
     ManagedProcess,
     ServerProcess,
     engine_core_pid,
+    float_model_args,
     pagedserve_argv,
     serve_process,
     spawn_children,
@@ -99,6 +100,24 @@ def test_embedded_model_tp3_equals_tp1(tmp_path: Path) -> None:
         assert completions(three, PROMPTS) == one_rank(default_model(), PROMPTS, 16)
         assert three.stop() == 0  # SIGTERM: drained, the ranks stopped, exit 0
     assert not [pid for pid in workers if alive(pid)], "a rank outlived its server"
+
+
+@pytest.mark.heavy
+def test_embedded_model_in_two_stages_of_three_ranks_equals_one_rank(tmp_path: Path) -> None:
+    """-tp 3 -pp 2: six ranks (each stage's 15 layers split 3 ways), offline and through the server."""
+    expected = one_rank(default_model(), PROMPTS, 16)
+    llm = LLM(default_model(), dtype="float32", device="cpu", max_model_len=256,
+              kv_cache_memory_bytes=64 << 20, tensor_parallel_size=3, pipeline_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16)
+        assert [out.outputs[0].text for out in llm.generate(PROMPTS, params)] == expected
+    finally:
+        llm.shutdown()
+    split = ("-tp", "3", "-pp", "2")
+    with serve_process(tmp_path / "tp3pp2.log", *float_model_args(), *split, *FLAGS) as server:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        assert len(worker_pids(server)) == 5
+        assert completions(server, PROMPTS) == expected
 
 
 def test_random_llama_tp2_equals_tp1(tiny_tp2: ServerProcess, llama_kv2: Path) -> None:
