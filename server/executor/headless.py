@@ -3,8 +3,9 @@ this machine's ranks and no API (vLLM's --headless).
 
 It links to the leader first (server/executor/node_link.py), then spawns its ranks
 (server/executor/tp_worker.py), which join the leader's group and do what rank 0 tells them. It stays
-until they end: all of them cleanly (the leader's stop command) is exit 0; one dying, or the leader's link
-closing, stops the others and is exit 1, so the pod restarts and LeaderWorkerSet recreates the group.
+until they end: all of them cleanly (the leader's stop command, whose link closes about then) is exit 0;
+a rank dying, or the leader gone without stopping them, stops the others and is exit 1, so the pod
+restarts and LeaderWorkerSet recreates the group.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ logger = logging.getLogger("pagedserve.tp")
 
 LEADER_WAIT_S = 1800.0  # a node may start long before its leader (image pulls, a large model's download)
 STOP_GRACE_S = 10.0
+# After the leader's link closes: a stopped leader's ranks are ending too, a killed one's fail at once.
+LEADER_GONE_GRACE_S = 5.0
 
 
 def run_headless(config: EngineConfig) -> int:
@@ -49,7 +52,7 @@ def _supervise(workers: list[Any], link: Any, first: int) -> int:
     while running:
         ready = wait([*running, link])
         if link in ready and not link.recv(1):
-            return _stop(workers, "the leader's link closed")
+            return _after_leader(workers)
         for sentinel in [s for s in ready if s in running]:
             rank, worker = running.pop(sentinel)
             worker.join()
@@ -57,6 +60,17 @@ def _supervise(workers: list[Any], link: Any, first: int) -> int:
                 return _stop(workers, f"rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}")
     logger.info("every rank of this node stopped cleanly")
     return 0
+
+
+def _after_leader(workers: list[Any]) -> int:
+    """The leader's link closed: after a clean stop its last command is ending the ranks too (the link
+    may close first), so they get a moment; ranks that end cleanly mean exit 0, any other end exit 1."""
+    for worker in workers:
+        worker.join(LEADER_GONE_GRACE_S)
+    if all(worker.exitcode == 0 for worker in workers):
+        logger.info("the leader stopped, and every rank of this node with it")
+        return 0
+    return _stop(workers, "the leader's link closed")
 
 
 def _stop(workers: list[Any], why: str) -> int:
