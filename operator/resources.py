@@ -517,7 +517,7 @@ class _Context:
 
     def worker_args(self) -> list[str]:
         """What a group's other pods add to the leader's arguments: their place, and no API."""
-        return ["--node-rank", LWS_WORKER_INDEX, "--headless"]
+        return to_cli({"node_rank": LWS_WORKER_INDEX, "headless": True})
 
     def engine_deployment(self) -> dict[str, Any]:
         spec = self.spec

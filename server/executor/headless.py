@@ -42,8 +42,13 @@ def run_headless(config: EngineConfig) -> int:
     workers = spawn_ranks(spec, range(first, first + spec.ranks_per_node))
     logger.info("node %d: ranks %d..%d started, pids %s", config.node_rank, first,
                 first + spec.ranks_per_node - 1, [w.pid for w in workers])
-    # Stopped by the leader (its stop command ends the ranks), by the link's loss, or by a signal here.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(_stop(workers, "SIGTERM")))
+    # Stopped by the leader (its stop command ends the ranks), by the link's loss, or by a signal here:
+    # then the leader is likely stopping too, and its stop command may yet end the ranks cleanly.
+    def on_sigterm(*_: object) -> None:
+        _stop(workers, "SIGTERM", STOP_GRACE_S)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     return _supervise(workers, link, first)
 
 
@@ -57,7 +62,8 @@ def _supervise(workers: list[Any], link: Any, first: int) -> int:
             rank, worker = running.pop(sentinel)
             worker.join()
             if worker.exitcode != 0:
-                return _stop(workers, f"rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}")
+                _stop(workers, f"rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}")
+                return 1
     logger.info("every rank of this node stopped cleanly")
     return 0
 
@@ -70,14 +76,15 @@ def _after_leader(workers: list[Any]) -> int:
     if all(worker.exitcode == 0 for worker in workers):
         logger.info("the leader stopped, and every rank of this node with it")
         return 0
-    return _stop(workers, "the leader's link closed")
+    _stop(workers, "the leader's link closed")
+    return 1
 
 
-def _stop(workers: list[Any], why: str) -> int:
+def _stop(workers: list[Any], why: str, grace_s: float = 0.0) -> None:
+    """Each rank still running gets ``grace_s`` to end, then is killed."""
     logger.error("stopping this node's ranks: %s", why)
     for worker in workers:
-        worker.join(STOP_GRACE_S if worker.is_alive() and why == "SIGTERM" else 0)
+        worker.join(grace_s)
         if worker.is_alive():
             worker.kill()
             worker.join()
-    return 0 if why == "SIGTERM" else 1

@@ -130,13 +130,13 @@ class TPDriver:
     # ---- lifetime -----------------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        links = self.links.sockets if self.links is not None else {}
-        ready = wait([worker.sentinel for worker in self.workers] + list(links))
+        sockets = self.links.sockets if self.links is not None else {}
+        ready = wait([worker.sentinel for worker in self.workers] + list(sockets))
         if self._stopping:
             return
-        lost = [node for sock, node in links.items() if sock in ready]
-        if lost:
-            self.death = self.links.lost_message(lost[0], self.spec)  # type: ignore[union-attr]
+        lost = [node for sock, node in sockets.items() if sock in ready]
+        if self.links is not None and lost:
+            self.death = self.links.lost_message(lost[0], self.spec)
         else:
             rank, worker = next((r, w) for r, w in enumerate(self.workers, start=1) if w.sentinel in ready)
             worker.join(1.0)  # its sentinel closes as it dies, a moment before its exit code can be read
