@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from pagedserve.common.engine_args import GIB, EngineArgs, json_object
+from pagedserve.server.kv_transfer.config import KVTransferConfig
 from pagedserve.server.lora_request import LoRAModulePath
 from pagedserve.server.multimodal import parse_mm_limits
 from pagedserve.server.pooling_params import POOLER_CONFIG_KEYS
@@ -41,6 +42,7 @@ class EngineConfig(EngineArgs):
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self.pooler_config = json_object("pooler_config", self.pooler_config, POOLER_CONFIG_KEYS)
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         self._parse_lora_modules()
@@ -107,6 +109,8 @@ class EngineConfig(EngineArgs):
             "enable_lora (LoRA adapters)": self.enable_lora,
             f"quantization {self.quantization!r}": self.quantization is not None,
             f"kv_cache_dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype != "auto",
+            # Each rank would read its own shard from its peer rank: the layouts are not gathered yet.
+            "kv_transfer_config (prefill/decode disaggregation)": self.kv_transfer_config is not None,
             f"device {self.device!r} (rank r runs on cuda:r: use 'cuda' or 'auto')":
                 self.device.startswith("cuda:"),
         }
@@ -129,6 +133,9 @@ class EngineConfig(EngineArgs):
         if self.kv_offload_bytes:
             # The host tier copies the target's layers only: a loaded block would lack the draft's K/V.
             raise ValueError("speculative_config: a draft model is not supported with kv_offloading_size")
+        if self.kv_transfer_config is not None:
+            # A read prompt's blocks would hold the target's K/V only, not the drafter's.
+            raise ValueError("speculative_config: a draft model is not supported with kv_transfer_config")
 
     @property
     def kv_offload_bytes(self) -> int:

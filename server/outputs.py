@@ -72,6 +72,9 @@ class RequestOutput:
     inter_token_latencies: list[float] = field(default_factory=list)
     # A pooling request's vector (server/worker/pooler.py): its one output, with ``finished``
     pooled: list[float] | None = None
+    # Prefill/decode disaggregation: where a finished prefill's KV waits for its decode engine (vLLM's
+    # RequestOutput.kv_transfer_params; server/kv_transfer/params.py)
+    kv_transfer_params: dict | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta output of the same request to this one (text, tokens and logprobs)."""
@@ -92,6 +95,8 @@ class RequestOutput:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.pooled is not None:
             self.pooled = delta.pooled
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
         self.num_cached_tokens = delta.num_cached_tokens
         self.finished = delta.finished
         self.metrics = delta.metrics

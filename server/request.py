@@ -18,6 +18,7 @@ from pagedserve.server.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
     from pagedserve.server.grammar_state import GrammarState
+    from pagedserve.server.kv_transfer.params import KVTransfer
     from pagedserve.server.multimodal import ImageInput
     from pagedserve.server.outputs import SampledToken
 
@@ -87,6 +88,11 @@ class Request:
     # of the positions after the prompt (server/multimodal.py mrope_positions); None: positions are indices
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
+    # Prefill/decode disaggregation (server/core/kv_connector.py): this request's role in a P/D pair, from
+    # its kv_transfer_params (cleared once a decode request's read is planned), and the params a finished
+    # prefill hands its decode engine
+    kv_transfer: KVTransfer | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def lora_int_id(self) -> int:

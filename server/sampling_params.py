@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.server.exceptions import InvalidRequestError
 
@@ -94,6 +95,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated; the Processor tokenizes them for the core
     structured_outputs: StructuredOutputsParams | None = None  # output constrained to a grammar
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Prefill/decode disaggregation's (vLLM's extra_args["kv_transfer_params"]): the request's role in a
+    # P/D pair, as the API received it; server/kv_transfer/params.py parses it, in the input processor
+    kv_transfer_params: dict[str, Any] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from pagedserve.server.engine.core_output import KVOffloadStats, LoRAStats
+    from pagedserve.server.engine.core_output import EngineStats, KVOffloadStats, KVTransferStats, LoRAStats
     from pagedserve.server.engine.protocol import EngineClient
     from pagedserve.server.outputs import RequestOutput
     from pagedserve.server.spec_decode.metrics import SpecDecodingStats
@@ -160,8 +160,12 @@ class EngineStatsCollector:
             yield from self._spec_decoding(s.spec_decoding)
         if s.lora is not None:
             yield from self._lora(s.lora)
+        if s.kv_offload is not None or s.kv_transfer is not None:
+            yield from self._external_prefix_cache(s)
         if s.kv_offload is not None:
             yield from self._kv_offload(s.kv_offload)
+        if s.kv_transfer is not None:
+            yield from self._kv_transfer(s.kv_transfer)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self.cache_info)
         )
@@ -169,22 +173,49 @@ class EngineStatsCollector:
         yield info
 
 
-    def _kv_offload(self, tier: KVOffloadStats) -> Iterator[Metric]:
-        """The CPU KV tier as vLLM's native offloading reports it: its hits as the external (KV connector)
-        prefix cache's, in tokens; the bytes it moved (vLLM's flat store/load counters); how full it is."""
-        g, c = GaugeMetricFamily, CounterMetricFamily
+    def _external_prefix_cache(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's external (KV connector) prefix cache: the CPU KV tier's hits and the prompt tokens read
+        from prefill engines, in tokens."""
+        sources = [stats for stats in (s.kv_offload, s.kv_transfer) if stats is not None]
         yield self._family(
-            c,
+            CounterMetricFamily,
             "vllm:external_prefix_cache_queries",
-            "External prefix cache (the CPU KV tier) queries, in terms of number of queried tokens.",
-            tier.queries,
+            "External prefix cache (the CPU KV tier, KV read from prefill engines) queries, in terms of "
+            "number of queried tokens.",
+            sum(stats.queries for stats in sources),
         )
         yield self._family(
-            c,
+            CounterMetricFamily,
             "vllm:external_prefix_cache_hits",
-            "External prefix cache (the CPU KV tier) hits, in terms of number of cached tokens.",
-            tier.hits,
+            "External prefix cache (the CPU KV tier, KV read from prefill engines) hits, in terms of number "
+            "of cached tokens.",
+            sum(stats.hits for stats in sources),
         )
+
+    def _kv_transfer(self, transfer: KVTransferStats) -> Iterator[Metric]:
+        """Prefill/decode disaggregation's reads (vLLM's names are its NIXL connector's own, vllm:nixl_*;
+        these are the connector-neutral ones) and the prefill side's held blocks."""
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(c, "vllm:kv_transfer_bytes", "KV bytes read from prefill engines.",
+                           transfer.bytes_received)
+        yield self._family(c, "vllm:kv_transfer_seconds", "Time spent reading KV from prefill engines.",
+                           transfer.transfer_seconds)
+        yield self._family(c, "vllm:kv_transfers", "Reads of a request's KV from a prefill engine.",
+                           transfer.num_transfers)
+        yield self._family(c, "vllm:kv_transfer_failures",
+                           "Reads that failed: those requests computed their prompts here instead.",
+                           transfer.num_failed)
+        yield self._family(g, "vllm:kv_transfer_held_requests",
+                           "Finished prefills whose KV blocks wait for their decode engine.",
+                           transfer.num_held_requests)
+        yield self._family(c, "vllm:kv_transfer_expired",
+                           "Finished prefills whose held KV blocks no decode engine read in time.",
+                           transfer.num_expired)
+
+    def _kv_offload(self, tier: KVOffloadStats) -> Iterator[Metric]:
+        """The CPU KV tier as vLLM's native offloading reports it: the bytes it moved (vLLM's flat
+        store/load counters) and how full it is (its hits are the external prefix cache's)."""
+        g, c = GaugeMetricFamily, CounterMetricFamily
         yield self._family(
             c, "vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.",
             tier.store_bytes,

@@ -265,6 +265,9 @@ class _SamplingFields(RequestModel):
     bad_words: list[Text] | None = None
     prompt_logprobs: int | None = None
     cache_salt: Text | None = Field(None, min_length=1)  # only requests with the same salt share KV blocks
+    # Prefill/decode disaggregation (vLLM's): the request's role in a P/D pair, checked by the engine
+    # (server/kv_transfer/params.py); `pagedserve router --strategy pd` sets it
+    kv_transfer_params: JSONObject | None = None
 
 
 # --------------------------------------------------------------------------------- structured outputs
@@ -682,6 +685,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's, for its decode engine
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -741,6 +745,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's, for its decode engine
     prompt_logprobs: PromptLogprobs | None = None
 
 

@@ -302,6 +302,7 @@ class OpenAIServing:
             "seed": request.seed,
             "allowed_token_ids": request.allowed_token_ids,
             "bad_words": request.bad_words,
+            "kv_transfer_params": request.kv_transfer_params,
             "output_kind": RequestOutputKind.DELTA,
         }
         for name in UNSET_IS_DEFAULT:  # None: the model's generation_config.json value, if any
@@ -337,6 +338,9 @@ class OpenAIServing:
         (and closes, so aborts, the requests of this call already added)."""
         streams: list[RequestStream] = []
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        if len(prompts) > 1 and getattr(params, "kv_transfer_params", None) is not None:
+            # One response carries one kv_transfer_params: a P/D pair moves one prompt's KV
+            raise APIError("kv_transfer_params needs a single prompt.", 400, param=prompt_param)
         try:
             for prompt in prompts:
                 streams.append(
@@ -416,6 +420,8 @@ class OpenAIServing:
             sum(f.num_cached_tokens for f in finals),
         )
         body = {**envelope, "choices": form.choices(finals), "usage": usage}
+        if finals and finals[0].kv_transfer_params is not None:  # a prefill engine's, for the decode one
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
         if form.body_fields is not None:
             body.update(form.body_fields(finals))
         return Response(dumps(body), media_type="application/json", headers=headers)

@@ -138,9 +138,12 @@ class KVCacheManager:
         return max(num_computed - self.sliding_window + 1, 0) // self.block_size
 
     def allocate(
-        self, request: Request, num_new_tokens: int, cached: list[Block | HostHit] | None = None
+        self, request: Request, num_new_tokens: int, cached: list[Block | HostHit] | None = None,
+        cache: bool = True,
     ) -> bool:
         """Room for ``num_new_tokens`` more tokens after the computed ones (and ``cached`` hits).
+        ``cache=False``: the new blocks are not findable until ``cache_blocks`` (their KV comes from
+        another engine, server/core/kv_connector.py, and is not there yet).
 
         Returns False when the pool cannot supply the blocks, changing nothing but the return of blocks
         that have fallen out of the sliding window (which are never read again either way).
@@ -175,7 +178,7 @@ class KVCacheManager:
             added = [*added, *self.pool.allocate(needed)]
         blocks.extend(added)
         self.req_block_ids[request.request_id].extend(b.block_id for b in added)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
 
@@ -210,6 +213,27 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.host is not None:
             self.host.reset()
+
+    def cache_blocks(self, request: Request) -> None:
+        """Make the full blocks of the request's computed tokens findable (after ``cache=False``)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_blocks[request.request_id], request.num_computed_tokens)
+
+    def detach(self, request: Request) -> list[Block] | None:
+        """A finished request's blocks, taken from it without being freed: held for a peer engine to read
+        (server/core/kv_connector.py), then given to ``release``. None, and nothing taken, when some of them
+        fell behind the sliding window already."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        if self.null_block is not None and self.null_block in blocks:
+            return None
+        for table in (self.req_blocks, self.req_block_ids, self.req_hashes, self.req_num_cached,
+                      self.req_num_skipped):
+            table.pop(request.request_id, None)
+        return blocks
+
+    def release(self, blocks: list[Block]) -> None:
+        """Free blocks ``detach`` took, last first (as ``free`` does: the prefix's end is evicted first)."""
+        self.pool.free(list(reversed(blocks)))
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])

@@ -5,7 +5,11 @@ A decode carrying draft tokens (speculative decoding) takes 1 + drafts tokens; d
 token budget and dropped, never the request, when their blocks do not fit. With LoRA, no more than
 ``max_loras`` distinct adapters run at once: a waiting request whose adapter would be one too many
 waits (others may pass it), as in vLLM's scheduler. The step's host-tier copies (server/core/host_tier.py),
-planned while allocating, travel with the batch as ``kv_transfers``.
+planned while allocating, travel with the batch as ``kv_transfers``. With a KV connector (prefill/decode
+disaggregation, server/core/kv_connector.py) a request whose prompt was computed by a prefill engine is
+admitted with blocks for all of it and a read of that engine's blocks in ``kv_loads``, made by
+``load_remote_kv`` before the step runs; only its last prompt token is computed here. A finished prefill's
+blocks are kept for its decode engine instead of freed, and freed once that engine read them.
 
 After the step ran, ``update_from_output`` applies what it sampled (vLLM V1's Scheduler does both): each
 request's tokens are appended through the stops (server/core/stops.py), a grammar takes each token first,
@@ -15,19 +19,24 @@ and the token counters the metrics report advance.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
+from pagedserve.server.core.kv_connector import KVConnector, RemoteLoad
 from pagedserve.server.core.stops import append_token
+from pagedserve.server.kv_transfer.params import RemoteDecode, RemotePrefill
 from pagedserve.server.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagedserve.server.outputs import SampledToken
+
+logger = logging.getLogger("pagedserve.scheduler")
 
 # What a step sampled, per request: its new tokens (one, or accepted drafts and one more), or the error
 # its row alone raised (server/worker/model_runner.py StepResult)
@@ -58,6 +67,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Block copies between the device and the host tier, applied before this step's forward pass
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
+    # Prompts' KV read from prefill engines (server/core/kv_connector.py), before this step runs
+    kv_loads: list[RemoteLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -93,11 +104,13 @@ def _runs_ahead(item: ScheduledRequest) -> bool:
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0,
-        max_model_len: int = 0,
+        max_model_len: int = 0, connector: KVConnector | None = None,
     ) -> None:
         """``max_loras``: the most distinct LoRA adapters running at once (0: LoRA is off).
-        ``max_model_len``: a sequence that reaches it stops ("length")."""
+        ``max_model_len``: a sequence that reaches it stops ("length"). ``connector``: prefill/decode
+        disaggregation's scheduler side (None: off)."""
         self.kv = kv
+        self.connector = connector
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -122,6 +135,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.free_released_kv()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -172,8 +186,12 @@ class Scheduler:
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate(request, num_new, cached):
+            remote = self._remote_prefill(request)
+            # A remote prefill gets blocks for its whole prompt at once: all but its last token are read.
+            num_new = request.num_tokens - num_cached
+            if not remote:
+                num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, cached, cache=not remote):
                 break  # FCFS: nobody overtakes the head of the queue (but requests for a LoRA slot)
             self.waiting.popleft()
             if lora_id:
@@ -185,9 +203,71 @@ class Scheduler:
                 request.metrics.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if remote:
+                num_new = self._plan_remote_load(out, request, len(cached), budget)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    # ---- prefill/decode disaggregation (server/core/kv_connector.py) ---------------------------------
+
+    def _remote_prefill(self, request: Request) -> bool:
+        """Whether the request's prompt is to be read from a prefill engine (its first admission only)."""
+        return self.connector is not None and isinstance(request.kv_transfer, RemotePrefill) and \
+            self.kv.sliding_window is None and not request.output_token_ids
+
+    def _plan_remote_load(self, out: SchedulerOutput, request: Request, num_local_blocks: int,
+                          budget: int) -> int:
+        """Plan the read of an admitted remote prefill; the tokens it computes this step: its last prompt
+        token, or (when the prefill engine's blocks do not fit its prompt) a first chunk of its prompt."""
+        assert self.connector is not None and isinstance(request.kv_transfer, RemotePrefill)
+        source, request.kv_transfer = request.kv_transfer, None  # one try: a preempted request recomputes
+        self.connector.queries += request.num_prompt_tokens
+        block_ids = self.kv.block_ids(request.request_id)
+        load = self.connector.plan_load(request, source, num_local_blocks, block_ids)
+        if load is None:
+            self.connector.release(source)
+            return min(request.num_tokens - request.num_computed_tokens, budget)
+        out.kv_loads.append(load)
+        request.num_computed_tokens = request.num_tokens - 1
+        return 1
+
+    def load_remote_kv(self, plan: SchedulerOutput, read: Callable[[RemoteLoad], int]) -> None:
+        """Make the plan's reads (``read``: the executor's, returning the bytes read) before it runs. A
+        request whose read fails leaves this step and computes its prompt from its own cached prefix in the
+        next ones (a colocated run); one whose read succeeds has its prompt's blocks findable as cached."""
+        assert self.connector is not None
+        for load in plan.kv_loads:
+            request, start = load.request, time.perf_counter()
+            try:
+                result: int | Exception = read(load)
+            except Exception as exc:
+                logger.warning("reading request %s's KV from %s failed (%s): computing its prompt here",
+                               request.request_id, load.source.layout.session, exc)
+                result = exc
+            self.connector.loaded(load, result, time.perf_counter() - start)
+            if isinstance(result, Exception):
+                request.num_computed_tokens = load.num_local_tokens
+                plan.scheduled = [item for item in plan.scheduled if item.request is not request]
+            else:
+                self.kv.cache_blocks(request)
+        plan.kv_loads = []
+
+    def free_released_kv(self) -> None:
+        """Free the held blocks of finished prefills that their decode engines read (or never will)."""
+        if self.connector is not None:
+            for blocks in self.connector.take_freeable():
+                self.kv.release(blocks)
+
+    def _hold_for_decode(self, request: Request, status: RequestStatus) -> bool:
+        """Keep a finished prefill's blocks for its decode engine (``kv_transfer_params`` tells it where);
+        False when they are freed as usual (no connector, not a prefill, aborted, or the window took some)."""
+        if self.connector is None or not isinstance(request.kv_transfer, RemoteDecode):
+            return False
+        if status is RequestStatus.FINISHED_ABORTED or (blocks := self.kv.detach(request)) is None:
+            return False
+        request.kv_transfer_params = self.connector.hold(request, blocks)
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -200,14 +280,21 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and return its blocks."""
         request.status = status
-        if self.requests.pop(request.request_id, None) is not None and request.lora_request is not None:
+        known = self.requests.pop(request.request_id, None) is not None
+        if known and request.lora_request is not None:
             name = request.lora_request.lora_name
             self.lora_requests_finished[name] = self.lora_requests_finished.get(name, 0) + 1
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        if not (known and self._hold_for_decode(request, status)):
+            self.kv.free(request)
+
+    def close(self) -> None:
+        """Stop the connector's side channel (its port is free again)."""
+        if self.connector is not None:
+            self.connector.close()
 
     def abort(self, request_ids: list[str]) -> None:
         """Finish these requests (those still known) and return their blocks now."""

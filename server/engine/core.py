@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
+from pagedserve.server.core.kv_connector import KVConnector
 from pagedserve.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, core_output
 from pagedserve.server.engine.core_stats import engine_stats
@@ -52,8 +53,10 @@ class EngineCore:
             enable_kv_events=config.enable_kv_events, num_host_blocks=executor.num_host_blocks,
         )
         max_loras = config.max_loras if executor.lora is not None else 0
+        transfer = config.kv_transfer_config  # prefill/decode disaggregation (server/core/kv_connector.py)
+        connector = KVConnector(transfer, executor.kv_layout, config.block_size) if transfer else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras,
-                                   config.max_model_len or 0)
+                                   config.max_model_len or 0, connector)
         self._check_unloaded = False  # an adapter was unloaded: fail the requests still waiting for it
         spec = config.speculative_config
         self.proposer = DraftProposer(spec, config.max_model_len or 0) if spec is not None else None
@@ -81,6 +84,7 @@ class EngineCore:
         self.executor.on_death(lambda message: callback(RankDiedError(message)))
 
     def shutdown(self) -> None:
+        self.scheduler.close()
         self.executor.shutdown()
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -143,6 +147,8 @@ class EngineCore:
                 raise
             return self._finish(plan, launched)  # the device runs the step ahead meanwhile
         plan = self.scheduler.schedule()
+        if plan.kv_loads:  # prompts computed by a prefill engine: their KV is read before the step runs
+            self.scheduler.load_remote_kv(plan, self.executor.read_remote_kv)
         if plan.empty:
             self.executor.copy_kv_blocks(plan)
             return []

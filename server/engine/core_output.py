@@ -40,6 +40,20 @@ class KVOffloadStats:
 
 
 @dataclass
+class KVTransferStats:
+    """Prefill/decode disaggregation's (server/core/kv_connector.py), for /metrics."""
+
+    queries: int  # prompt tokens of requests that came with a remote prefill
+    hits: int  # prompt tokens read from a prefill engine instead of computed
+    bytes_received: int
+    transfer_seconds: float  # spent reading, in all
+    num_transfers: int
+    num_failed: int  # reads that failed: those requests computed their prompts here
+    num_held_requests: int  # finished prefills whose blocks wait for their decode engine
+    num_expired: int  # held blocks freed because no decode engine read them in time
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -54,6 +68,7 @@ class EngineStats:
     spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
     lora: LoRAStats | None = None  # None: LoRA is off
     kv_offload: KVOffloadStats | None = None  # None: no host KV tier
+    kv_transfer: KVTransferStats | None = None  # None: no KV connector
 
 
 @dataclass
@@ -73,6 +88,8 @@ class EngineCoreOutput:
     # on a thread may have moved on by the time the front end reads it)
     token_time: float | None = None
     pooled: list[float] | None = None  # a pooling request's vector, with its finish (server/worker/pooler.py)
+    # A finished prefill's, for its decode engine (server/core/kv_connector.py), with its finish
+    kv_transfer_params: dict | None = None
 
 
 def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOutput:
@@ -89,4 +106,5 @@ def core_output(request: Request, appended: list[SampledToken]) -> EngineCoreOut
         prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == len(appended) else None,
         token_time=request.metrics.last_token_time,
         pooled=request.pooled,
+        kv_transfer_params=request.kv_transfer_params,
     )

@@ -87,6 +87,8 @@ class CoreLoop:
             if self.core.has_unfinished():
                 self._step()
             elif time.monotonic() - last_report >= IDLE_REPORT_S:
+                # Idle, a prefill engine still frees the blocks its decode engines have read since.
+                self.core.scheduler.free_released_kv()
                 self.send(StepOutputs([], self.core.stats(), self.core.take_kv_events()))
                 last_report = time.monotonic()
 

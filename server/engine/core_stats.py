@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedserve.server.core.kv_connector import KVConnector
 from pagedserve.server.core.scheduler import Scheduler
-from pagedserve.server.engine.core_output import EngineStats, KVOffloadStats, LoRAStats
+from pagedserve.server.engine.core_output import EngineStats, KVOffloadStats, KVTransferStats, LoRAStats
 from pagedserve.server.executor.executor import Executor
 from pagedserve.server.request import Request
 from pagedserve.server.spec_decode.metrics import SpecDecodingStats
@@ -28,6 +29,16 @@ def engine_stats(scheduler: Scheduler, executor: Executor, spec: SpecDecodingSta
         block_size=kv.block_size,
         spec_decoding=spec.snapshot() if spec is not None else None,
         lora=_lora_stats(scheduler, executor.config.max_loras) if executor.lora is not None else None,
+        kv_transfer=_kv_transfer_stats(scheduler.connector) if scheduler.connector is not None else None,
+    )
+
+
+def _kv_transfer_stats(connector: KVConnector) -> KVTransferStats:
+    return KVTransferStats(
+        queries=connector.queries, hits=connector.hits, bytes_received=connector.bytes_received,
+        transfer_seconds=connector.transfer_seconds, num_transfers=connector.num_transfers,
+        num_failed=connector.num_failed, num_held_requests=len(connector.held),
+        num_expired=connector.num_expired,
     )
 
 

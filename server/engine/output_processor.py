@@ -57,6 +57,7 @@ class RequestState:
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
     inter_token_latencies: list[float] = field(default_factory=list)  # not yet in an output
     pooled: list[float] | None = None  # a pooling request's vector
+    kv_transfer_params: dict | None = None  # a finished prefill's (server/core/kv_connector.py)
 
     @property
     def finished(self) -> bool:
@@ -145,6 +146,8 @@ class OutputProcessor:
                 state.prompt_logprobs = [None, *map(self._logprob_entry, core_output.prompt_logprobs)]
             if core_output.pooled is not None:
                 state.pooled = core_output.pooled
+            if core_output.kv_transfer_params is not None:
+                state.kv_transfer_params = core_output.kv_transfer_params
             self._time_tokens(state, sample, core_output)
             if self._update(sample, core_output, state.params) and core_output.finish_reason is None:
                 to_abort.append(core_output.request_id)
@@ -249,6 +252,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             inter_token_latencies=self._take_latencies(state),
             pooled=state.pooled,
+            kv_transfer_params=state.kv_transfer_params,
         )
 
     @staticmethod

@@ -23,6 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.exceptions import InvalidRequestError
+from pagedserve.server.kv_transfer.config import KVTransferConfig
+from pagedserve.server.kv_transfer.params import (
+    KVTransfer,
+    RemoteDecode,
+    RemotePrefill,
+    parse_kv_transfer_params,
+)
 from pagedserve.server.loader.generation_config import sampling_defaults
 from pagedserve.server.lora_request import LoRALoadError, LoRARequest
 from pagedserve.server.multimodal import (
@@ -89,10 +96,12 @@ class Processor:
         lora_requests: list[LoRARequest] | None = None,
         pooler: PoolerConfig | None = None,
         images: ImageProcessing | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         """``pooler``: the model's, under the pooling runner (which takes only pooling requests); None under
         the generate runner. ``images``: a vision-language model's processor (None: text only)."""
         self.tokenizer = tokenizer
+        self.kv_transfer = kv_transfer  # prefill/decode disaggregation's connector (None: off)
         self.pooler = pooler
         self.images = images
         self.vocab_size = vocab_size
@@ -215,6 +224,7 @@ class Processor:
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}.", param="n"
             )
         grammar = self._compile_grammar(params)
+        kv_transfer = self._kv_transfer(params)
         gate = params.structured_outputs.think_gate if params.structured_outputs is not None else None
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         children = [
@@ -235,6 +245,7 @@ class Processor:
                 mm_inputs=mm_inputs,
                 mrope_positions=mrope[0],
                 mrope_delta=mrope[1],
+                kv_transfer=kv_transfer,
             )
             for index in range(params.n)
         ]
@@ -319,6 +330,24 @@ class Processor:
                 return self._tokenize(str(prompt["prompt"]))
             raise InvalidRequestError("prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
         return None, [int(t) for t in prompt]
+
+    def _kv_transfer(self, params: SamplingParams) -> KVTransfer | None:
+        """The request's role in a P/D pair (server/kv_transfer/params.py). An engine without a connector
+        runs it as an ordinary request, as vLLM's does: a prefill answers no kv_transfer_params (the router
+        then decodes it colocated), a decode computes its prompt."""
+        transfer = parse_kv_transfer_params(params.kv_transfer_params)
+        if transfer is None or self.kv_transfer is None:
+            return None
+        if params.n != 1:
+            raise InvalidRequestError("kv_transfer_params needs n = 1.", param="n")
+        role = self.kv_transfer.kv_role
+        if isinstance(transfer, RemoteDecode) and not self.kv_transfer.produces:
+            raise InvalidRequestError(f"kv_transfer_params: do_remote_decode needs a prefill engine; this "
+                                      f"one's kv_role is {role}.", param="kv_transfer_params")
+        if isinstance(transfer, RemotePrefill) and not self.kv_transfer.consumes:
+            raise InvalidRequestError(f"kv_transfer_params: do_remote_prefill needs a decode engine; this "
+                                      f"one's kv_role is {role}.", param="kv_transfer_params")
+        return transfer
 
     @staticmethod
     def _cache_salt(prompt: PromptInput) -> str | None:
@@ -424,6 +453,7 @@ def make_processor(core: EngineCore, tokenizer: Any) -> Processor:
         lora_requests=core.list_loras(),
         pooler=load_pooler(config, core.model_path),
         images=load_image_processing(config, core.model_path),
+        kv_transfer=config.kv_transfer_config,
     )
 
 

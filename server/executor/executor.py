@@ -26,6 +26,7 @@ from pagedserve.server.worker.model_runner import LaunchedStep, ModelRunner
 
 if TYPE_CHECKING:
     from pagedserve.server.backend import Backend
+    from pagedserve.server.core.kv_connector import RemoteLoad
     from pagedserve.server.executor.tp_driver import TPDriver
     from pagedserve.server.executor.tp_worker import WorkerSpec
     from pagedserve.server.lora.manager import LoRAManager
@@ -160,6 +161,21 @@ class Executor:
             num_host_blocks=self.num_host_blocks,
             draft_model=self.draft_model,
         )
+        self._start_kv_transfer()
+
+    def _start_kv_transfer(self) -> None:
+        """Prefill/decode disaggregation's worker side: the KV cache registered with the transfer engine,
+        whose layout a prefill engine publishes and into which a decode engine reads (server/kv_transfer/)."""
+        self.kv_agent, self.kv_layout = None, None
+        transfer = self.config.kv_transfer_config
+        if transfer is None:
+            return
+        from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent
+
+        self.kv_agent = KVTransferAgent(transfer.kv_ip)
+        self.kv_layout = self.kv_agent.register(
+            [(layer.k_cache, layer.v_cache) for layer in self.model.attention_layers()]
+        )
 
     def _kv_layers(self) -> list[torch.nn.Module]:
         """Every attention layer with a cache of the shared blocks: the target's, then the drafter's (so a
@@ -273,6 +289,11 @@ class Executor:
         """The step queued on the device, its tokens read back later by ``LaunchedStep.result``;
         ``previous``: the step still in flight, whose tokens feed this one's rows with ``num_in_flight``."""
         return self.runner.launch(plan.scheduled, block_ids, active_loras, plan.kv_transfers, previous)
+
+    def read_remote_kv(self, load: RemoteLoad) -> int:
+        """A decode request's prompt blocks, read from its prefill engine's cache; the bytes read."""
+        assert self.kv_agent is not None, "no kv_transfer_config"
+        return self.kv_agent.read_blocks(load.source.layout, load.remote_blocks, load.local_blocks)
 
     def copy_kv_blocks(self, plan: SchedulerOutput) -> None:
         """A step that runs nothing still applies its host-tier copies (none in practice)."""

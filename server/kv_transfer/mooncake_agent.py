@@ -1,0 +1,79 @@
+"""The worker side of the KV connector: this engine's KV cache, registered with Mooncake's transfer engine
+(PyPI ``mooncake-transfer-engine-non-cuda``: its TCP transport runs on any machine, RDMA where there is
+one), and reads of a peer's blocks into it.
+
+A prefill engine registers its cache tensors once (``register``) and publishes their ``KVLayout``: its
+transfer engine's session and, per layer, where K and V start and how many bytes a block takes. A decode
+engine reads a request's blocks straight from those addresses into blocks of its own cache
+(``read_blocks``): one batched read of every (layer, K/V, block), no copy and no code on the prefill side.
+Blocks are contiguous in both caches (``[num_blocks, block_size, kv_heads, head_dim]``, server/layers/
+attention.py ``allocate_kv_caches``), so a block is one span of ``block_bytes``, whatever its dtype (FP8
+included: the bytes are copied as they are, so both engines must use the same kv_cache_dtype).
+
+Mooncake rather than our own socket protocol: it is what vLLM's and SGLang's Mooncake connectors move KV
+with, batches thousands of spans in one call, and switches to RDMA where the NICs have it.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.server.kv_transfer.params import KVLayout
+
+INSTALL_HINT = (
+    "prefill/decode disaggregation needs Mooncake's transfer engine: pip install "
+    "'pagedserve[pd]' (mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1 librdmacm1"
+)
+
+
+class KVTransferAgent:
+    """One engine's transfer engine: registers its caches, reads peers' blocks into them."""
+
+    def __init__(self, host: str) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise RuntimeError(f"{INSTALL_HINT} ({exc})") from exc
+        self.engine = TransferEngine()
+        # P2P handshake: peers exchange segment descriptors directly, no metadata server to run.
+        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError(f"Mooncake's transfer engine did not start on {host}")
+        self.host = host
+        self.layout: KVLayout | None = None
+
+    def register(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
+        """Register every layer's (K, V) cache; returns the layout peers read by."""
+        if not caches:
+            raise ValueError("no KV cache to register")
+        block_bytes = caches[0][0][0].numel() * caches[0][0].element_size()
+        for tensor in (t for pair in caches for t in pair):
+            if tensor.device.type != "cpu":
+                raise ValueError("the non-CUDA transfer engine moves host memory: a GPU cache needs NIXL or "
+                                 "Mooncake's CUDA build")
+            if not tensor.is_contiguous() or tensor[0].numel() * tensor.element_size() != block_bytes:
+                raise ValueError("KV caches must be contiguous, with blocks of one size in every layer")
+            if self.engine.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size()) != 0:
+                raise RuntimeError("Mooncake refused to register a KV cache tensor")
+        self.layout = KVLayout(
+            session=f"{self.host}:{self.engine.get_rpc_port()}",
+            k_addrs=tuple(k.data_ptr() for k, _ in caches),
+            v_addrs=tuple(v.data_ptr() for _, v in caches),
+            block_bytes=block_bytes,
+        )
+        return self.layout
+
+    def read_blocks(self, remote: KVLayout, remote_blocks: list[int], local_blocks: list[int]) -> int:
+        """Copy the peer's ``remote_blocks`` into this engine's ``local_blocks``, every layer's K and V;
+        returns the bytes read. RuntimeError when the transfer fails (the caller recomputes instead),
+        ValueError when the peer's cache has another shape."""
+        assert self.layout is not None, "register the caches first"
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError("as many local blocks as remote ones")
+        if remote.block_bytes != self.layout.block_bytes or len(remote.k_addrs) != len(self.layout.k_addrs):
+            raise ValueError("the peer's cache has another shape (layers, block size, heads or dtype)")
+        if not remote_blocks:
+            return 0
+        sources, targets = remote.spans(remote_blocks), self.layout.spans(local_blocks)
+        lengths = [remote.block_bytes] * len(sources)
+        if self.engine.batch_transfer_sync_read(remote.session, targets, sources, lengths) != 0:
+            raise RuntimeError(f"reading {len(remote_blocks)} KV blocks from {remote.session} failed")
+        return sum(lengths)
