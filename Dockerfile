@@ -39,7 +39,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY scripts/requirements.py scripts/
 RUN mkdir /requirements \
- && python3 scripts/requirements.py pyproject.toml server > /requirements/server.txt \
+ && python3 scripts/requirements.py pyproject.toml server pd > /requirements/server.txt \
  && python3 scripts/requirements.py pyproject.toml router operator > /requirements/control.txt
 COPY pagedserve/ pagedserve/
 COPY common/ common/
@@ -63,8 +63,11 @@ ARG WITH_DEFAULT_MODEL=1
 ENV DEBIAN_FRONTEND=noninteractive
 # gcc, g++, libc and Python headers: Triton compiles its small C launcher when the engine starts, and the
 # image's build compiles the CPU backend's C++ kernels below (kernels/cpu_build.py).
+# libibverbs1 and librdmacm1: Mooncake's transfer engine links them (the [pd] extra: prefill/decode
+# disaggregation, server/kv_transfer/), even where it runs over TCP.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev ca-certificates \
+    libibverbs1 librdmacm1 \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

