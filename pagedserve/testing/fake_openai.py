@@ -22,7 +22,11 @@ neither ``name`` nor an adapter gets 404 ``model_not_found``; each adapter's req
 Test hooks, the attributes of `FakeOpenAI`, set in this process or over HTTP with POST /_control (JSON):
 ``fail_503`` (answer the next N generation requests with 503), ``health_status``, ``waiting``,
 ``kv_usage``, ``tokens``, ``token_delay``, ``first_delay`` (seconds before the response starts),
-``adapters``, ``refuse_loads``, ``api_key`` (401 unless ``Authorization: Bearer <api_key>``) and
+``adapters``, ``refuse_loads``, ``api_key`` (401 unless ``Authorization: Bearer <api_key>``),
+``error_status`` (answer every generation request, after recording it, with this status and an OpenAI
+error; 0: off), ``kv_transfer_params`` (a prefill engine of the router's P/D mode, router/pd.py: the
+object a non-streamed generation asking ``kv_transfer_params.do_remote_decode`` gets back at the top
+level of its answer; None: ``null``, an engine that kept no KV) and
 ``die_after`` (only where the fake has its own process: the process exits two tokens into the stream
 of request N+1, as a crashing server would). GET /_requests: the generation requests received (path,
 query, authorization, x-forwarded-for, body), when ``record`` is on; GET /_stats: requests, prompt and
@@ -116,6 +120,8 @@ class FakeOpenAI:
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> path, as --lora-modules
     max_loras: int = 1
     refuse_loads: bool = False
+    error_status: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
     lora_requests: dict[str, int] = field(default_factory=dict)  # finished requests per adapter
     received: list[dict[str, Any]] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
@@ -259,6 +265,9 @@ class FakeOpenAI:
             return
         if self.record:
             self._record(scope, path, body)
+        if self.error_status:
+            await self._reply(send, self.error_status, _error("told to fail", self.error_status))
+            return
         try:
             request = json.loads(body)
             gen = Generation.parse(path, request, self.tokens)
@@ -282,7 +291,10 @@ class FakeOpenAI:
             if gen.stream:
                 await self._stream(gen, index, send)
             else:
-                await self._reply(send, 200, self._completion(gen, index))
+                answer = self._completion(gen, index)
+                if (request.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                    answer["kv_transfer_params"] = self.kv_transfer_params  # a prefill engine's
+                await self._reply(send, 200, answer)
         finally:
             if lora is not None:
                 self._running_loras[lora] -= 1
