@@ -6,6 +6,8 @@ Examples::
         --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct --model-name smollm2
     pagedserve router --k8s-service llama-8b-engine --namespace ml --target-port 8000 \\
         --tokenizer /models/llama-8b --model-name llama-8b
+    pagedserve router --strategy pd --prefill-backends http://10.0.0.3:8000,http://10.0.0.4:8000 \\
+        --backend http://10.0.0.1:8000 --tokenizer /models/llama-8b --model-name llama-8b
 
 Top-level imports stay light (no torch, ever: the router ships in the slim image).
 """
@@ -19,6 +21,7 @@ import os
 from pagedserve.common.engine_args import BLOCK_SIZES, EngineArgs
 from pagedserve.common.routing import DEFAULT_STRATEGY, STRATEGIES
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES
+from pagedserve.router.pd import PD
 
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -59,6 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="namespace of --k8s-service (default: the pod's own namespace, else 'default')",
     )
     g.add_argument("--target-port", type=int, default=8000, help="the engines' port behind the Service")
+    g.add_argument(
+        "--prefill-backend",
+        "--prefill-backends",
+        action="append",
+        default=[],
+        metavar="URL[,URL...]",
+        help="--strategy pd: a prefill engine (or several, comma-separated); repeat for more. --backend / "
+        "--k8s-service are then the decode engines. Exclusive with --prefill-k8s-service.",
+    )
+    g.add_argument(
+        "--prefill-k8s-service",
+        default=None,
+        help="--strategy pd: watch the EndpointSlices of this Service (in --namespace) for the prefill "
+        "engines",
+    )
     g.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks/scrapes")
     g.add_argument("--health-timeout", type=float, default=5.0, help="timeout of one health check")
     g.add_argument(
@@ -101,10 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--strategy",
         default=DEFAULT_STRATEGY,
-        choices=STRATEGIES,
+        choices=(*STRATEGIES, PD),
         help="prefix-hash: the router's guess of each replica's prefix cache; kv-events: what each engine "
         "reports holding (engines started with --enable-kv-events; needs --tokenizer; replicas without a "
-        "live event stream fall back to prefix-hash; their API key is read from PAGEDSERVE_API_KEY)",
+        "live event stream fall back to prefix-hash; their API key is read from PAGEDSERVE_API_KEY); pd: "
+        "prefill/decode disaggregation, each prompt prefilled on a --prefill-backend (by prefix hash) and "
+        "decoded on a --backend (by load), its KV handed over with kv_transfer_params",
     )
     g.add_argument(
         "--mean-load-factor",
@@ -131,6 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-retries", type=int, default=3, help="other replicas tried when one refuses, drops or 503s"
+    )
+    g.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        help="--strategy pd: seconds for the whole prefill step; a slower one runs colocated on a decode "
+        "engine instead",
     )
 
     g = parser.add_argument_group("upstream connections")
@@ -203,6 +230,9 @@ def config_from_args(args: argparse.Namespace):
         max_keepalive_connections=args.max_keepalive_connections,
         **scale_from_zero_config(args),
         engine_api_key=os.environ.get("PAGEDSERVE_API_KEY") or None,
+        prefill_backends=[url for value in args.prefill_backend for url in value.split(",") if url.strip()],
+        prefill_k8s_service=args.prefill_k8s_service,
+        prefill_timeout=args.prefill_timeout,
     )
 
 

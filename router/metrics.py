@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from pagedserve.router.balancer import REASONS
+from pagedserve.router.pd import FALLBACK_REASONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -81,6 +82,7 @@ class RouterMetrics:
         self._scale_from_zero_metrics(r)
         self._add_kv_event_metrics(r)
         self._add_adapter_metrics(r)
+        self._add_pd_metrics(r)
         # Every reason from the start, so that the series exist (at 0) before the first decision.
         self._decision_children = {(reason,): self.decisions.labels(reason) for reason in REASONS}
         self._request_children: dict[tuple[str, ...], object] = {}
@@ -173,6 +175,38 @@ class RouterMetrics:
             registry=r,
         )
         self._adapter_children: dict[tuple[str, ...], object] = {}
+
+    def _add_pd_metrics(self, r: CollectorRegistry) -> None:
+        """--strategy pd (router/pd.py): the prefill step, and the requests that ran colocated instead."""
+        self.pd_requests = Counter(
+            "pagedserve_router_pd_requests",
+            "Requests routed as prefill/decode (a prefill step tried, or no prefill replica ready); those "
+            "that ran colocated on a decode engine are also counted in pagedserve_router_pd_fallbacks_total.",
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "pagedserve_router_pd_fallbacks",
+            "P/D requests run colocated on a decode engine, by reason: prefill_unreachable (refused or "
+            "dropped), prefill_error (5xx, 408/429, timeout), no_kv_params (a 2xx without "
+            "kv_transfer_params), no_prefill_backend (no ready prefill replica).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FALLBACK_REASONS:  # the series exist (at 0) before the first fallback
+            self.pd_fallbacks.labels(reason)
+        self.pd_prefill_seconds = Histogram(
+            "pagedserve_router_pd_prefill_seconds",
+            "Duration of the prefill step, from sending it to a prefill engine to its whole answer (or its "
+            "failure).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ready_prefill_backends = Gauge(
+            "pagedserve_router_ready_prefill_backends",
+            "Prefill backends in their ring (--strategy pd; pagedserve_router_ready_backends: the decode "
+            "backends).",
+            registry=r,
+        )
 
     def adapter_request(self, lora_name: str, outcome: str) -> None:
         self._child(self._adapter_children, self.adapter_requests, lora_name, outcome).inc()

@@ -26,6 +26,16 @@ adapters it serves. A request whose ``model`` is an adapter goes only to the rea
 engine roots them; no ready holder is a 503 with Retry-After, a model no replica serves a 404
 ``model_not_found``. ``GET /v1/models`` answers the union of the replicas' lists.
 
+Prefill/decode disaggregation (``--strategy pd``, router/pd.py): two pools of replicas, each discovered and
+health-checked as above: the prefill engines (``--prefill-backend`` / ``--prefill-k8s-service``, a
+prefix-hash balancer of their own, ``PrefillPool``) and the decode engines (``--backend`` /
+``--k8s-service``, least load). A completion P/D fits is first sent, cut to one unstreamed token, to a
+prefill engine (``RouterApp._prefill``: no retry, a timeout of its own); the ``kv_transfer_params`` of its
+answer are spliced into the client's body, which then takes the path above to a decode engine, retries,
+streaming and cancellation included. A prefill step that fails sends the body as it came (a colocated
+run on a decode engine, counted by reason); a prefill 4xx is the client's answer. Everything else goes to
+the decode pool as it would to any pool.
+
 While no replica is ready, requests can be held until one is (``--max-held-requests``; a full queue or a
 timeout gets 503 with Retry-After), and the engines woken from zero (``--scale-from-zero``):
 router/activator.py.
@@ -34,7 +44,7 @@ The router's own errors use the engine server's OpenAI error JSON (common/errors
 sees one error shape whether the router or a replica refused it.
 Other routes: ``/health`` (the router's liveness, 200), ``/ready`` (503 until a replica is ready, unless
 the router can still hold requests),
-``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state, for operators),
+``/metrics`` (``pagedserve_router_*``), ``/backends`` (JSON: each replica's state and role, for operators),
 ``/openapi.json`` (router/openapi.py).
 """
 
@@ -54,9 +64,11 @@ import httpx
 from pagedserve.common.disconnect import ClientDisconnected, run_unless_disconnected
 from pagedserve.common.errors import error_json_bytes as error_json
 from pagedserve.common.routing import POOLING_PATHS, instance_of_response
+from pagedserve.router import pd
 from pagedserve.router.activator import Activator, HeldRequestRefused
 from pagedserve.router.adapters import (
     ADAPTER,
+    BASE,
     NOT_FOUND,
     NOT_LOADED,
     Route,
@@ -64,7 +76,7 @@ from pagedserve.router.adapters import (
     route_for,
     union_cards,
 )
-from pagedserve.router.balancer import Balancer
+from pagedserve.router.balancer import Balancer, Decision
 from pagedserve.router.discovery import EndpointSliceDiscovery, HealthMonitor, StaticDiscovery
 from pagedserve.router.hashing import DEFAULT_SEGMENT_CACHE_BYTES, PromptHasher
 from pagedserve.router.kv_events import KVEventSubscriptions
@@ -84,7 +96,9 @@ from pagedserve.router.upstream import (
 logger = logging.getLogger(__name__)
 
 HASHED_PATHS = ("/v1/chat/completions", "/v1/completions")
-HASHED_STRATEGIES = ("prefix-hash", "kv-events")
+HASHED_STRATEGIES = ("prefix-hash", "kv-events", pd.PD)  # pd: the prefill engine's choice
+PD_PREFILL_STRATEGY = "prefix-hash"  # shared prefixes meet the same prefill engine's cache
+PD_DECODE_STRATEGY = "least-load"  # the decode engine holds no prefix of its own worth chasing
 
 _HOP_BY_HOP = frozenset(
     {
@@ -143,6 +157,11 @@ class RouterConfig:
     scale_from_zero: str | None = None
     activity_interval: float = 10.0
     engine_api_key: str | None = None  # the engines' --api-key, for their KV event streams
+    # --strategy pd (router/pd.py): the prefill engines, found as the others are; backends / k8s_service
+    # are then the decode engines. prefill_timeout: seconds for the whole prefill step.
+    prefill_backends: list[str] = field(default_factory=list)
+    prefill_k8s_service: str | None = None
+    prefill_timeout: float = 120.0
 
     def validate(self) -> None:
         if not self.backends and not self.k8s_service:
@@ -164,6 +183,7 @@ class RouterConfig:
         if self.hash_key_blocks < 1:
             raise ValueError("--hash-key-blocks must be >= 1")
         self._validate_scale_from_zero()
+        self._validate_pd()
 
     def _validate_scale_from_zero(self) -> None:
         if self.max_held_requests < 0:
@@ -174,6 +194,20 @@ class RouterConfig:
             raise ValueError("--activity-interval must be positive")
         if self.scale_from_zero and self.max_held_requests == 0:
             raise ValueError("--scale-from-zero needs --max-held-requests > 0 (requests wait for the wake)")
+
+    def _validate_pd(self) -> None:
+        has_prefill = bool(self.prefill_backends or self.prefill_k8s_service)
+        if self.strategy == pd.PD and not has_prefill:
+            raise ValueError(
+                "--strategy pd needs the prefill engines: --prefill-backend URL or --prefill-k8s-service "
+                "NAME (--backend / --k8s-service name the decode engines)"
+            )
+        if has_prefill and self.strategy != pd.PD:
+            raise ValueError("--prefill-backend and --prefill-k8s-service need --strategy pd")
+        if self.prefill_backends and self.prefill_k8s_service:
+            raise ValueError("--prefill-backend and --prefill-k8s-service are exclusive")
+        if self.prefill_timeout <= 0:
+            raise ValueError("--prefill-timeout must be positive")
 
 
 CLIENT_DISCONNECT = "client_disconnect"  # the status label of a request whose client went away
@@ -187,6 +221,27 @@ class PromptKey:
     model: str | None = None
     hashes: list[int] = field(default_factory=list)
     kv_matches: dict[str, int] | None = None
+    request: Any = None  # the parsed body (None: not JSON), for --strategy pd
+
+
+@dataclass
+class PrefillPool:
+    """--strategy pd's prefill engines: a balancer of their own, found (router/discovery.py) and checked
+    as the decode engines are."""
+
+    balancer: Balancer
+    monitor: HealthMonitor | None = None
+    discovery: Any = None
+    known: set[str] = field(default_factory=set)  # as of the last discovery change
+
+
+@dataclass
+class PrefillResult:
+    """How the prefill step of a P/D request ended (RouterApp._prefill)."""
+
+    params: dict[str, Any] | None = None  # the decode step's kv_transfer_params
+    fallback: str | None = None  # why the request runs colocated instead (router/pd.py FALLBACK_REASONS)
+    answered: bool = False  # the prefill engine's 4xx went to the client as it was
 
 
 @dataclass
@@ -196,6 +251,7 @@ class Exchange:
     backend: str = "none"  # the replica tried last ("none": no replica was tried)
     outcome: str = "error"  # the status label of pagedserve_router_requests_total
     tried: set[str] = field(default_factory=set)
+    prefill: str | None = None  # --strategy pd: the prefill replica tried
 
 
 async def _read_body(receive) -> bytes | None:
@@ -250,14 +306,10 @@ class RouterApp:
         the config, static backends or EndpointSlices)."""
         config.validate()
         self.config = config
-        self.balancer = Balancer(
-            strategy=config.strategy,
-            mean_load_factor=config.mean_load_factor,
-            min_load_cap=config.min_load_cap,
-            index_capacity=config.index_capacity,
-            virtual_nodes=config.virtual_nodes,
-            hash_key_blocks=config.hash_key_blocks,
-        )
+        disaggregated = config.strategy == pd.PD
+        # Under --strategy pd: the decode engines; the prefill engines have a pool of their own.
+        self.balancer = self._make_balancer(PD_DECODE_STRATEGY if disaggregated else config.strategy)
+        self.prefill = PrefillPool(self._make_balancer(PD_PREFILL_STRATEGY)) if disaggregated else None
         self.metrics = RouterMetrics()
         self.activator = self._make_activator()
         if hasher is None and config.strategy in HASHED_STRATEGIES:
@@ -289,6 +341,17 @@ class RouterApp:
         self.kv_index = KVIndex() if config.strategy == "kv-events" else None
         self.kv_events: KVEventSubscriptions | None = None
         self._kv_client: httpx.AsyncClient | None = None
+
+    def _make_balancer(self, strategy: str) -> Balancer:
+        cfg = self.config
+        return Balancer(
+            strategy=strategy,
+            mean_load_factor=cfg.mean_load_factor,
+            min_load_cap=cfg.min_load_cap,
+            index_capacity=cfg.index_capacity,
+            virtual_nodes=cfg.virtual_nodes,
+            hash_key_blocks=cfg.hash_key_blocks,
+        )
 
     def _make_activator(self) -> Activator:
         cfg = self.config
@@ -323,8 +386,27 @@ class RouterApp:
             follow_redirects=False,
             trust_env=False,
         )
-        self.monitor = HealthMonitor(
-            self.balancer,
+        self.monitor = self._make_monitor(self.balancer)
+        self._start_kv_events()
+        self._discovery = self._discovery_factory(self.balancer, self._on_discovery_change)
+        await self._discovery.start()
+        monitors = [self.monitor]
+        if self.prefill is not None:
+            monitors.append(await self._start_prefill_pool(self.prefill))
+        # One round of checks before serving, so that dead static backends are not tried first.
+        with contextlib.suppress(Exception):
+            checks = asyncio.gather(*(monitor.check_all() for monitor in monitors))
+            await asyncio.wait_for(checks, cfg.health_timeout + 1)
+        for monitor in monitors:
+            monitor.sync()
+        self._on_membership_change()
+        self.activator.start()
+
+    def _make_monitor(self, balancer: Balancer) -> HealthMonitor:
+        cfg = self.config
+        assert self.client is not None
+        return HealthMonitor(
+            balancer,
             self.client,
             interval=cfg.health_interval,
             timeout=cfg.health_timeout,
@@ -332,23 +414,27 @@ class RouterApp:
             on_change=self._on_membership_change,
             api_key=cfg.engine_api_key,
         )
-        self._start_kv_events()
-        self._discovery = self._discovery_factory(self.balancer, self._on_discovery_change)
-        await self._discovery.start()
-        # One round of checks before serving, so that dead static backends are not tried first.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.monitor.check_all(), cfg.health_timeout + 1)
-        self.monitor.sync()
-        self._on_membership_change()
-        self.activator.start()
+
+    async def _start_prefill_pool(self, pool: PrefillPool) -> HealthMonitor:
+        """--strategy pd: discovery and health checks of the prefill engines, as of the decode engines."""
+        cfg = self.config
+        pool.monitor = self._make_monitor(pool.balancer)
+        pool.discovery = self._pool_discovery(
+            pool.balancer, self._on_prefill_discovery_change, cfg.prefill_backends, cfg.prefill_k8s_service
+        )
+        await pool.discovery.start()
+        return pool.monitor
 
     def _default_discovery(self, balancer: Balancer, on_change: Callable[[], None]) -> Any:
+        return self._pool_discovery(balancer, on_change, self.config.backends, self.config.k8s_service)
+
+    def _pool_discovery(
+        self, balancer: Balancer, on_change: Callable[[], None], backends: list[str], service: str | None
+    ) -> Any:
         cfg = self.config
-        if cfg.k8s_service:
-            return EndpointSliceDiscovery(
-                balancer, cfg.k8s_service, cfg.namespace, cfg.target_port, on_change
-            )
-        return StaticDiscovery(balancer, cfg.backends, on_change)
+        if service:
+            return EndpointSliceDiscovery(balancer, service, cfg.namespace, cfg.target_port, on_change)
+        return StaticDiscovery(balancer, backends, on_change)
 
     def _start_kv_events(self) -> None:
         """--strategy kv-events: a KV event subscription per replica (kept in step with discovery)."""
@@ -383,26 +469,41 @@ class RouterApp:
     async def shutdown(self) -> None:
         await self.activator.stop()
         await self._stop_kv_events()
-        if self._discovery is not None:
-            await self._discovery.stop()
-        if self.monitor is not None:
-            await self.monitor.stop()
+        pools = [(self._discovery, self.monitor)]
+        if self.prefill is not None:
+            pools.append((self.prefill.discovery, self.prefill.monitor))
+        for discovery, monitor in pools:
+            if discovery is not None:
+                await discovery.stop()
+            if monitor is not None:
+                await monitor.stop()
         if self.client is not None:
             await self.client.aclose()
         if self.upstream is not None:
             await self.upstream.aclose()
 
     def _on_discovery_change(self) -> None:
-        if self.monitor is not None:
-            with contextlib.suppress(RuntimeError):
-                self.monitor.sync()  # checks of departed replicas stop, their state goes
-        known = set(self.balancer.backends)
-        for url in self._known_backends - known:
-            self._forget_backend(url)
-        self._known_backends = known
+        self._known_backends = known = self._sync_pool(self.balancer, self.monitor, self._known_backends)
         if self.kv_events is not None:
             self.kv_events.sync(known)
         self._on_membership_change()
+
+    def _on_prefill_discovery_change(self) -> None:
+        pool = self.prefill
+        assert pool is not None
+        pool.known = self._sync_pool(pool.balancer, pool.monitor, pool.known)
+        self._on_membership_change()
+
+    def _sync_pool(self, balancer: Balancer, monitor: HealthMonitor | None, known: set[str]) -> set[str]:
+        """After a discovery change: health checks for the pool's replicas as they are now, and what was
+        kept for the departed ones dropped. Returns the pool's replicas."""
+        if monitor is not None:
+            with contextlib.suppress(RuntimeError):
+                monitor.sync()  # checks of departed replicas stop, their state goes
+        now = set(balancer.backends)
+        for url in known - now:
+            self._forget_backend(url)
+        return now
 
     def _forget_backend(self, url: str) -> None:
         """Drop what is kept per replica once it has left discovery: with pods coming and going under
@@ -412,13 +513,21 @@ class RouterApp:
             self.upstream.forget(url)
 
     def _on_membership_change(self) -> None:
-        ready = 0
-        for url, state in self.balancer.backends.items():
-            self.metrics.backend_ready.labels(url).set(1 if state.ready else 0)
-            ready += state.ready
+        for _, balancer in self._pools():
+            for url, state in balancer.backends.items():
+                self.metrics.backend_ready.labels(url).set(1 if state.ready else 0)
+        ready = len(self.balancer.ready_urls())
         self.metrics.ready_backends.set(ready)
         self.metrics.backends.set(len(self.balancer.backends))
-        self.activator.on_ready(ready)
+        if self.prefill is not None:
+            self.metrics.ready_prefill_backends.set(len(self.prefill.balancer.ready_urls()))
+        self.activator.on_ready(ready)  # the decode engines: a request can always run colocated there
+
+    def _pools(self) -> list[tuple[str, Balancer]]:
+        """(role, balancer) of every pool of replicas: one, or under --strategy pd decode and prefill."""
+        if self.prefill is None:
+            return [("colocated", self.balancer)]
+        return [("decode", self.balancer), ("prefill", self.prefill.balancer)]
 
     # --- ASGI ------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -430,14 +539,7 @@ class RouterApp:
             elif path.startswith("/v1/") or path in POOLING_PATHS:
                 await self.proxy(scope, receive, send)
             elif path == "/health":
-                body = json.dumps(
-                    {
-                        "status": "ok",
-                        "ready_backends": len(self.balancer.ready_urls()),
-                        "backends": len(self.balancer.backends),
-                    }
-                ).encode()
-                await _send_simple(send, 200, body)
+                await _send_simple(send, 200, json.dumps(self._health()).encode())
             elif path == "/ready":
                 n = len(self.balancer.ready_urls())
                 if n or self.activator.can_hold():  # holding: it must be reachable to wake the engines
@@ -445,8 +547,9 @@ class RouterApp:
                 else:
                     await _send_simple(send, 503, error_json("no ready backend", 503))
             elif path == "/metrics":
-                for url, state in self.balancer.backends.items():
-                    self.metrics.backend_load.labels(url).set(state.load)
+                for _, balancer in self._pools():
+                    for url, state in balancer.backends.items():
+                        self.metrics.backend_load.labels(url).set(state.load)
                 self.metrics.set_adapter_replicas(self._adapter_replicas())
                 if self.kv_index is not None:
                     self.metrics.kv_index_blocks.set(self.kv_index.size())
@@ -473,6 +576,17 @@ class RouterApp:
                     await self.shutdown()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+
+    def _health(self) -> dict[str, Any]:
+        health: dict[str, Any] = {
+            "status": "ok",
+            "ready_backends": len(self.balancer.ready_urls()),
+            "backends": len(self.balancer.backends),
+        }
+        if self.prefill is not None:
+            health["ready_prefill_backends"] = len(self.prefill.balancer.ready_urls())
+            health["prefill_backends"] = len(self.prefill.balancer.backends)
+        return health
 
     def _adapter_replicas(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -504,9 +618,11 @@ class RouterApp:
         return auth is not None and hmac.compare_digest(auth, self._auth)
 
     def backends_snapshot(self) -> list[dict[str, Any]]:
+        """Each replica's state; ``role``: decode or prefill under --strategy pd, else colocated."""
         return [
             {
                 "url": url,
+                "role": role,
                 "ready": s.ready,
                 "discovered_ready": s.discovered,
                 "healthy": s.healthy,
@@ -520,7 +636,8 @@ class RouterApp:
                 "kv_indexed_blocks": self.kv_index.blocks_of(url) if self.kv_index is not None else 0,
                 "idle_connections": self.upstream.idle_connections(url) if self.upstream else 0,
             }
-            for url, s in self.balancer.backends.items()
+            for role, balancer in self._pools()
+            for url, s in balancer.backends.items()
         ]
 
     # --- the proxy -------------------------------------------------------------------------------
@@ -535,16 +652,17 @@ class RouterApp:
         model = request_model(parsed)
         lora = model if model in adapters else None
         if self.hasher is None or path not in HASHED_PATHS:
-            return PromptKey(model)
+            return PromptKey(model, request=parsed)
         try:
             ids = self.hasher.token_ids_for(path, parsed)
             if not ids:
-                return PromptKey(model)
+                return PromptKey(model, request=parsed)
             salt = parsed.get("cache_salt")
-            return PromptKey(model, self.hasher.hashes_of(ids, salt, lora), self._kv_matches(ids, salt, lora))
+            hashes = self.hasher.hashes_of(ids, salt, lora)
+            return PromptKey(model, hashes, self._kv_matches(ids, salt, lora), parsed)
         except Exception:  # never fail a request because the router could not hash it
             logger.debug("hashing failed", exc_info=True)
-            return PromptKey(model)
+            return PromptKey(model, request=parsed)
 
     def _response_holder(self, path: str, body: bytes) -> str | None:
         """For the Responses API: the replica storing the response a request names (by
@@ -560,8 +678,10 @@ class RouterApp:
         instance = instance_of_response(response_id) if isinstance(response_id, str) else None
         return self.balancer.url_of_instance(instance) if instance is not None else None
 
-    def _route(self, model: str | None) -> Route:
-        replicas = {url: (s.ready, s.models) for url, s in self.balancer.backends.items()}
+    def _route(self, model: str | None, balancer: Balancer | None = None) -> Route:
+        """The route of ``model`` over a pool's replicas (default: the decode pool, the only one unless
+        --strategy pd)."""
+        replicas = {url: (s.ready, s.models) for url, s in (balancer or self.balancer).backends.items()}
         return route_for(model, replicas, self.config.model_name)
 
     async def proxy(self, scope, receive, send) -> None:
@@ -593,6 +713,9 @@ class RouterApp:
             for url in exchange.tried:
                 if url not in self.balancer.backends:  # it left discovery while this request was in flight
                     self._forget_backend(url)
+            prefill = exchange.prefill  # set under --strategy pd only
+            if prefill is not None and self.prefill and prefill not in self.prefill.balancer.backends:
+                self._forget_backend(prefill)
 
     def _upstream_request(self, scope) -> tuple[str, list[tuple[bytes, bytes]]]:
         """The request target (raw path and query) and headers to send to a replica."""
@@ -634,6 +757,12 @@ class RouterApp:
         route = self._route(key.model)
         if not await self._admit_route(send, route, key.model, exchange):
             return
+        if self.prefill is not None:  # --strategy pd
+            if pd.applies(method, path, key.request):
+                body = await self._disaggregate(send, path, body, key, target, req_headers, exchange)
+                if body is None:
+                    return  # the prefill engine's 4xx was the answer
+            hashes, kv_matches = [], None  # decode engines are chosen by load alone
         only = route.holders if route.kind == ADAPTER else None
         if (holder := self._response_holder(path, body)) is not None:
             only = {holder}  # it alone stores the response this request continues (or reads)
@@ -702,6 +831,108 @@ class RouterApp:
                     response.close()
                 balancer.release(url)
                 gauge.dec()
+
+    async def _disaggregate(
+        self,
+        send,
+        path: str,
+        body: bytes,
+        key: PromptKey,
+        target: str,
+        req_headers: list[tuple[bytes, bytes]],
+        exchange: Exchange,
+    ) -> bytes | None:
+        """--strategy pd: the prefill step, then the decode step's body: the client's with the prefill's
+        kv_transfer_params, or as it came when the step failed (a colocated run, its reason counted). None:
+        the prefill engine refused the request (4xx) and that answer has been sent."""
+        self.metrics.pd_requests.inc()
+        result = await self._prefill(send, path, key, target, req_headers, exchange)
+        if result.answered:
+            return None
+        if result.params is not None:
+            return pd.decode_body(body, result.params)
+        reason = result.fallback or pd.PREFILL_ERROR
+        self.metrics.pd_fallbacks.labels(reason).inc()
+        logger.debug("P/D request runs colocated on a decode engine: %s", reason)
+        return body
+
+    def _choose_prefill(self, key: PromptKey) -> Decision | None:
+        """The prefill engine for a request, by prefix hash over the prefill pool (among the replicas that
+        list its LoRA adapter, if it names one); None when no ready one can take it."""
+        assert self.prefill is not None
+        balancer = self.prefill.balancer
+        route = self._route(key.model, balancer)
+        if route.kind not in (BASE, ADAPTER):
+            return None
+        decision = balancer.choose(key.hashes, (), None, route.holders if route.kind == ADAPTER else None)
+        if decision is not None:
+            self.metrics.decision(decision.reason)
+            if key.hashes:
+                self.metrics.matched_ratio.observe(decision.matched_blocks / len(key.hashes))
+        return decision
+
+    async def _prefill(
+        self,
+        send,
+        path: str,
+        key: PromptKey,
+        target: str,
+        req_headers: list[tuple[bytes, bytes]],
+        exchange: Exchange,
+    ) -> PrefillResult:
+        """Send the prefill step (router/pd.py) to its engine. Never retried on another prefill engine: a
+        decode engine can always run the request itself."""
+        assert self.prefill is not None and self.upstream is not None
+        decision = self._choose_prefill(key)
+        if decision is None:
+            return PrefillResult(fallback=pd.NO_PREFILL_BACKEND)
+        balancer = self.prefill.balancer
+        url = exchange.prefill = decision.url
+        payload = pd.prefill_body(path, key.request)
+        balancer.acquire(url)
+        gauge = self.metrics.in_flight_child(url)
+        gauge.inc()
+        started = time.perf_counter()
+        response: UpstreamResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.config.prefill_timeout):
+                    response = await self.upstream.request(url, "POST", target, req_headers, payload)
+                    client_error = pd.is_client_error(response.status)
+                    answer = await (response.next_chunk() if client_error else response.read())
+            except (UpstreamError, TimeoutError) as exc:
+                return PrefillResult(fallback=self._prefill_failed(url, exc))
+            finally:
+                self.metrics.pd_prefill_seconds.observe(time.perf_counter() - started)
+            if client_error:  # the request is bad: a decode engine would refuse it too
+                exchange.backend = url
+                await self._stream(send, response, answer, url, exchange)
+                return PrefillResult(answered=True)
+            if not 200 <= response.status < 300:
+                logger.warning("prefill backend %s answered %d", url, response.status)
+                return PrefillResult(fallback=pd.PREFILL_ERROR)
+            balancer.record(url, key.hashes)  # its cache holds the prompt's blocks now
+            params = pd.kv_params_of(answer)
+            return PrefillResult(params) if params is not None else PrefillResult(fallback=pd.NO_KV_PARAMS)
+        finally:
+            if response is not None:
+                response.close()
+            balancer.release(url)
+            gauge.dec()
+
+    def _prefill_failed(self, url: str, exc: Exception) -> str:
+        """The fallback reason of a prefill step that got no answer; a refused connection takes the prefill
+        replica out of its ring, as in the decode pool."""
+        if isinstance(exc, UpstreamConnectError):
+            assert self.prefill is not None
+            if self.prefill.balancer.set_healthy(url, False):
+                logger.warning("prefill backend %s refused the connection: it leaves the ring", url)
+                self._on_membership_change()
+            return pd.PREFILL_UNREACHABLE
+        if isinstance(exc, UpstreamDisconnect):
+            return pd.PREFILL_UNREACHABLE
+        logger.warning("prefill backend %s failed: %s", url, exc or "timed out")
+        return pd.PREFILL_ERROR
 
     async def _admit_route(self, send, route: Route, model: str | None, exchange: Exchange) -> bool:
         """Answer a request no replica can serve: False once answered (see router/adapters.py)."""
