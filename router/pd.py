@@ -45,15 +45,25 @@ _PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 def applies(method: str, path: str, request: Any) -> bool:
     """True when a request can be disaggregated: a generation of one sequence whose output is tokens
-    generated after the prompt. Not: several choices (``n``, ``best_of``: the prefill engine would hold
-    one sequence's blocks), ``echo`` and ``prompt_logprobs`` (outputs of the prompt's own pass, which the
-    decode engine does not run), or a body that already carries ``kv_transfer_params`` (a client, or
-    another router, driving the transfer itself)."""
+    generated after the prompt. Not: several choices (``n``, ``best_of``) or several prompts in one
+    completion request (one answer carries one ``kv_transfer_params``: one sequence's blocks), ``echo``
+    and ``prompt_logprobs`` (outputs of the prompt's own pass, which the decode engine does not run), or
+    a body that already carries ``kv_transfer_params`` (a client, or another router, driving the transfer
+    itself)."""
     if method != "POST" or path not in PD_PATHS or not isinstance(request, dict):
         return False
     if "kv_transfer_params" in request or request.get("echo") or request.get("prompt_logprobs") is not None:
         return False
+    if path == "/v1/completions" and not _one_prompt(request.get("prompt")):
+        return False
     return request.get("n") in (None, 1) and request.get("best_of") in (None, 1)
+
+
+def _one_prompt(prompt: Any) -> bool:
+    """A completion's ``prompt`` names one prompt: a string, token ids, or a list of one of those."""
+    if not isinstance(prompt, list) or all(isinstance(token, int) for token in prompt):
+        return True
+    return len(prompt) == 1
 
 
 def prefill_body(path: str, request: dict[str, Any]) -> bytes:

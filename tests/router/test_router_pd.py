@@ -265,9 +265,10 @@ def test_a_prefill_4xx_is_the_answer(pd_fleet):
         ("/v1/completions", completion(best_of=3)),
         ("/v1/completions", completion(echo=True)),
         ("/v1/completions", completion(prompt_logprobs=1)),
+        ("/v1/completions", completion(prompt=["first prompt", "second prompt"])),
         ("/v1/chat/completions", chat(0, 0, kv_transfer_params={"do_remote_prefill": True})),
     ],
-    ids=["n", "best_of", "echo", "prompt_logprobs", "own_kv_transfer_params"],
+    ids=["n", "best_of", "echo", "prompt_logprobs", "several_prompts", "own_kv_transfer_params"],
 )
 def test_requests_pd_does_not_fit_go_straight_to_decode(pd_fleet, path, request_body):
     f = pd_fleet()
@@ -276,6 +277,14 @@ def test_requests_pd_does_not_fit_go_straight_to_decode(pd_fleet, path, request_
     assert f.prefilled() == []
     assert f.decoded() == [request_body]
     assert metric_value(f.metrics(), "pagedserve_router_pd_requests_total") == 0
+
+
+def test_one_prompt_in_a_list_or_as_token_ids_is_disaggregated(pd_fleet):
+    f = pd_fleet()
+    for prompt in (["one prompt " * 20], list(range(40)), [list(range(40))]):
+        assert f.client.post("/v1/completions", json=completion(prompt=prompt)).status_code == 200
+        assert f.decoded()[-1] == completion(prompt=prompt) | {"kv_transfer_params": kv_params("p0")}
+    assert metric_value(f.metrics(), "pagedserve_router_pd_requests_total") == 3
 
 
 def test_other_routes_skip_the_prefill_step(pd_fleet):
