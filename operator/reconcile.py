@@ -34,6 +34,7 @@ from pagedserve.operator.resources import (
     engine_name,
     label_selector,
     potential_children,
+    prefill_name,
     render,
     router_name,
 )
@@ -226,6 +227,8 @@ async def reconcile(
         error=error,
         adapters=adapters.status() if adapters is not None else None,
         adapter_count=len(spec.adapters),
+        prefill=live.get(f"Deployment/{prefill_name(name)}"),
+        prefill_replicas=spec.disaggregation.prefill.replicas if spec.disaggregation is not None else None,
     )
     await write_status(kube, modeldeployment, result.status)
     for verb, refs in (("created", result.created), ("patched", result.patched), ("deleted", result.deleted)):

@@ -9,12 +9,14 @@ Children, all named after the ModelDeployment ``<name>``:
 - ``<name>-engine``  Deployment (``pagedserve serve``), or with ``nodes`` > 1 a LeaderWorkerSet (a group of
                      pods per replica: the leader serves, the others run ``serve --headless``), and a
                      headless Service of the serving pods (the router's discovery)
+- ``<name>-prefill`` with ``disaggregation``: the prefill engines' Deployment and headless Service (the
+                     router's prefill discovery); ``<name>-engine`` is then the decode engines
 - ``<name>-router``  Deployment (``pagedserve router``), ServiceAccount, Role, RoleBinding
 - ``<name>``         ClusterIP Service in front of the router: the OpenAI endpoint
                      ``http://<name>.<namespace>.svc/v1``
 - ``<name>-cache``   PersistentVolumeClaim for the weights (when ``modelCache`` is set)
 - ``<name>``         HorizontalPodAutoscaler on the ModelDeployment's scale subresource (``autoscaling``)
-- ``<name>-engine``, ``<name>-router``  PodDisruptionBudgets
+- ``<name>-engine``, ``<name>-router`` (and ``<name>-prefill``)  PodDisruptionBudgets
 - ``<name>``         PodMonitor (when the Prometheus Operator's API is served)
 """
 
@@ -33,6 +35,7 @@ from pagedserve.operator.spec import (
     HF_SCHEME,
     Adapter,
     ModelDeploymentSpec,
+    Resources,
     parse_spec,
     quantity,
 )
@@ -50,6 +53,14 @@ LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 # LeaderWorkerSet's own environment in every pod of a group: the leader's address, each pod's index.
 LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
+# Prefill/decode disaggregation (spec.disaggregation): each engine's --kv-transfer-config (vLLM's JSON,
+# server/kv_transfer/config.py) names its role and the address its peers reach it at, its own pod IP
+# (Kubernetes expands $(POD_IP), from the downward API, in the args). Decode engines connect to a prefill
+# engine's side channel (kv_port) and its Mooncake transfer engine (a port of its own) at that IP.
+KV_CONNECTOR = "MooncakeConnector"
+KV_SIDE_CHANNEL_PORT = 14579  # vLLM's default kv_port
+POD_IP = "$(POD_IP)"
+PD_STRATEGY = "pd"  # `pagedserve router --strategy pd` (router/pd.py)
 ROUTER_PORT = 8000
 SERVICE_PORT = 80
 HF_HOME = "/cache/huggingface"
@@ -127,6 +138,10 @@ def engine_name(name: str) -> str:
     return f"{name}-engine"
 
 
+def prefill_name(name: str) -> str:
+    return f"{name}-prefill"
+
+
 def router_name(name: str) -> str:
     return f"{name}-router"
 
@@ -161,14 +176,17 @@ def potential_children(name: str) -> list[tuple[str, str, str]]:
     return [
         ("apps/v1", "Deployment", engine_name(name)),
         (LWS_API_VERSION, "LeaderWorkerSet", engine_name(name)),
+        ("apps/v1", "Deployment", prefill_name(name)),
         ("apps/v1", "Deployment", router_name(name)),
         ("v1", "Service", engine_name(name)),
+        ("v1", "Service", prefill_name(name)),
         ("v1", "Service", name),
         ("v1", "ServiceAccount", router_name(name)),
         ("rbac.authorization.k8s.io/v1", "Role", router_name(name)),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", router_name(name)),
         ("v1", "PersistentVolumeClaim", cache_name(name)),
         ("policy/v1", "PodDisruptionBudget", engine_name(name)),
+        ("policy/v1", "PodDisruptionBudget", prefill_name(name)),
         ("policy/v1", "PodDisruptionBudget", router_name(name)),
         ("autoscaling/v2", "HorizontalPodAutoscaler", name),
         ("monitoring.coreos.com/v1", "PodMonitor", name),
@@ -245,6 +263,9 @@ def render(
         ctx.pdb(engine_name(name), "engine"),
         ctx.pdb(router_name(name), "router"),
     ]
+    if spec.disaggregation is not None:
+        children[2:2] = [ctx.engine_deployment(prefill=True), ctx.engine_service(prefill=True)]
+        children.append(ctx.pdb(prefill_name(name), "engine-prefill"))
     if spec.model_cache is not None:
         children.append(ctx.cache_pvc())
     if spec.autoscaling is not None:
@@ -369,22 +390,22 @@ class _Context:
 
     # -- engine --------------------------------------------------------------------------------
 
-    def engine_args(self) -> list[str]:
+    def engine_args(self, prefill: bool = False) -> list[str]:
         """`pagedserve serve`'s arguments: the engine settings rendered by their one declaration
         (common/engine_args.py ``to_cli``, defaults left out), after the same checks the engine makes."""
-        settings = EngineArgs(**self.engine_settings())
+        settings = EngineArgs(**self.engine_settings(prefill))
         address = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
         return address + to_cli(dataclasses.asdict(settings)) + list(self.spec.engine.extra_args)
 
-    def engine_settings(self) -> dict[str, Any]:
+    def engine_settings(self, prefill: bool = False) -> dict[str, Any]:
         """The engine settings of this ModelDeployment: spec.engine's, and those the operator decides from
-        the rest of the spec."""
+        the rest of the spec; ``prefill``: a disaggregated ModelDeployment's prefill engines'."""
         spec, engine = self.spec, self.spec.engine
         values: dict[str, Any] = {
             **engine.engine_settings(),
             "model": self.model_path(),
             "served_model_name": self.served_model_name,
-            "device": "cuda" if spec.resources.gpus else "cpu",
+            "device": "cuda" if self.engine_resources(prefill).gpus else "cpu",
             "tensor_parallel_size": spec.tensor_parallel_size,
             "pipeline_parallel_size": spec.pipeline_parallel_size,
             # the router subscribes to them (router/kv_events.py)
@@ -392,12 +413,31 @@ class _Context:
         }
         if spec.nodes > 1:  # the group's leader; its other pods add worker_args()
             values.update(nnodes=spec.nodes, master_addr=LWS_LEADER_ADDRESS, master_port=MASTER_PORT)
-        if not spec.resources.gpus:  # no GPU memory to share out
+        if not self.engine_resources(prefill).gpus:  # no GPU memory to share out
             values.pop("gpu_memory_utilization")
+        if spec.disaggregation is not None:
+            values["kv_transfer_config"] = self.kv_transfer_config(prefill)
         if self.lora:
             values["enable_lora"] = True
             values["lora_modules"] = [f"{a.name}={adapter_path(a)}" for a in self.startup_adapters] or None
         return values
+
+    def engine_resources(self, prefill: bool = False) -> Resources:
+        """An engine pod's resources: spec.resources, or the prefill engines' own where they have some."""
+        if prefill and self.spec.disaggregation is not None:
+            return self.spec.disaggregation.prefill.resources or self.spec.resources
+        return self.spec.resources
+
+    def kv_transfer_config(self, prefill: bool) -> str:
+        """--kv-transfer-config of a disaggregated ModelDeployment's prefill (producer) or decode (consumer)
+        engines, each at its own pod's IP."""
+        config = {
+            "kv_connector": KV_CONNECTOR,
+            "kv_role": "kv_producer" if prefill else "kv_consumer",
+            "kv_ip": POD_IP,
+            "kv_port": KV_SIDE_CHANNEL_PORT,
+        }
+        return json.dumps(config, separators=(",", ":"))
 
     def adapter_volumes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(volumes, mounts) for the claims of pvc:// adapters, spec and startup ones: a claim is mounted
@@ -425,10 +465,12 @@ class _Context:
         digest = hashlib.sha256(adapter_set_json(self.startup_adapters).encode()).hexdigest()[:16]
         return {ADAPTERS_HASH_ANNOTATION: digest}
 
-    def engine_pod_template(self, worker: bool = False) -> dict[str, Any]:
+    def engine_pod_template(self, worker: bool = False, prefill: bool = False) -> dict[str, Any]:
         """The engine pods' template; ``worker``: a LeaderWorkerSet group's other pods, which run their
-        ranks headless (no API: no probes, no port, not scraped, not selected by the engine Service)."""
-        spec, res = self.spec, self.spec.resources
+        ranks headless (no API: no probes, no port, not scraped, not selected by the engine Service);
+        ``prefill``: a disaggregated ModelDeployment's prefill engines (the others are then its decode
+        engines)."""
+        spec, res = self.spec, self.engine_resources(prefill)
         requests = {"cpu": res.cpu_request, "memory": res.memory_request}
         limits = {"memory": res.memory_request}
         tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
@@ -445,10 +487,15 @@ class _Context:
             "name": "engine",
             **self.container_common(self.image),
             "command": ["pagedserve", "serve"],
-            "args": self.engine_args() + (self.worker_args() if worker else []),
+            "args": self.engine_args(prefill) + (self.worker_args() if worker else []),
             "env": self.common_env({**WRITABLE_ENV, **ENGINE_WRITABLE_ENV}, "PAGEDSERVE_API_KEY")
             + self.lora_env()
-            + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env],
+            + self.kv_transfer_env()
+            + [
+                e.model_dump(by_alias=True, exclude_none=True)
+                for e in spec.env
+                if not (spec.disaggregation is not None and e.name == "POD_IP")  # the operator's own
+            ],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "resources": {"requests": requests, "limits": limits},
             "startupProbe": {
@@ -506,7 +553,10 @@ class _Context:
         if worker:
             for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe"):
                 del container[key]
-        component = "engine-worker" if worker else "engine"
+        if prefill:  # where decode engines reach its side channel (by pod IP)
+            side = {"name": "kv-side", "containerPort": KV_SIDE_CHANNEL_PORT, "protocol": "TCP"}
+            container["ports"].append(side)
+        component = "engine-worker" if worker else "engine-prefill" if prefill else "engine"
         annotations = {**self.lora_annotations(), **spec.pod_annotations}
         if not worker:
             annotations = {**self.scrape_annotations(ENGINE_PORT), **annotations}
@@ -519,18 +569,31 @@ class _Context:
         """What a group's other pods add to the leader's arguments: their place, and no API."""
         return to_cli({"node_rank": LWS_WORKER_INDEX, "headless": True})
 
-    def engine_deployment(self) -> dict[str, Any]:
+    def engine_role(self, prefill: bool) -> tuple[str, str]:
+        """(name, component) of the engines' Deployment and Service: the prefill engines' or the others."""
+        return (prefill_name(self.name), "engine-prefill") if prefill else (engine_name(self.name), "engine")
+
+    def kv_transfer_env(self) -> list[dict[str, Any]]:
+        """A disaggregated engine's own pod IP, which its --kv-transfer-config names as $(POD_IP)."""
+        if self.spec.disaggregation is None:
+            return []
+        return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+
+    def engine_deployment(self, prefill: bool = False) -> dict[str, Any]:
+        """The engines' Deployment; ``prefill``: a disaggregated ModelDeployment's prefill engines'."""
         spec = self.spec
+        name, component = self.engine_role(prefill)
+        replicas = spec.disaggregation.prefill.replicas if prefill and spec.disaggregation else spec.replicas
         return {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": self.meta(engine_name(self.name), "engine"),
+            "metadata": self.meta(name, component),
             "spec": {
-                "replicas": spec.replicas,
-                "selector": {"matchLabels": selector_labels(self.name, "engine")},
+                "replicas": replicas,
+                "selector": {"matchLabels": selector_labels(self.name, component)},
                 # A rollout waits for model loading; only then is it "stuck".
                 "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + 600,
-                "template": self.engine_pod_template(),
+                "template": self.engine_pod_template(prefill=prefill),
             },
         }
 
@@ -554,14 +617,17 @@ class _Context:
             },
         }
 
-    def engine_service(self) -> dict[str, Any]:
+    def engine_service(self, prefill: bool = False) -> dict[str, Any]:
+        """The engines' headless Service, whose EndpointSlices the routers watch (``prefill``: the prefill
+        engines', --prefill-k8s-service)."""
+        name, component = self.engine_role(prefill)
         return {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": self.meta(engine_name(self.name), "engine"),
+            "metadata": self.meta(name, component),
             "spec": {
                 "clusterIP": "None",
-                "selector": selector_labels(self.name, "engine"),
+                "selector": selector_labels(self.name, component),
                 "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
             },
         }
@@ -575,13 +641,17 @@ class _Context:
 
     def router_args(self) -> list[str]:
         router = self.spec.router
+        disaggregated = self.spec.disaggregation is not None
+        # disaggregated: the engine Service is the decode engines', and the prefill engines' have their own
+        prefill = ["--prefill-k8s-service", prefill_name(self.name)] if disaggregated else []
         args = [
             "--host", "0.0.0.0",
             "--port", str(ROUTER_PORT),
             "--k8s-service", engine_name(self.name),
+            *prefill,
             "--namespace", self.namespace,
             "--target-port", str(ENGINE_PORT),
-            "--strategy", router.strategy,
+            "--strategy", PD_STRATEGY if disaggregated else router.strategy,
             "--mean-load-factor", str(router.mean_load_factor),
             "--block-size", str(self.spec.engine.block_size),
             "--model-name", self.served_model_name,
@@ -770,6 +840,9 @@ class _Context:
         }
 
     def pod_monitor(self) -> dict[str, Any]:
+        components = ["engine", "router"]
+        if self.spec.disaggregation is not None:
+            components.insert(1, "engine-prefill")
         return {
             "apiVersion": "monitoring.coreos.com/v1",
             "kind": "PodMonitor",
@@ -784,7 +857,7 @@ class _Context:
                         {
                             "key": "app.kubernetes.io/component",
                             "operator": "In",
-                            "values": ["engine", "router"],
+                            "values": components,
                         }
                     ],
                 },

@@ -393,6 +393,65 @@ class EnvVar(CamelModel):
     value_from: dict[str, Any] | None = None
 
 
+class PrefillRole(CamelModel):
+    """The prefill engines of a disaggregated ModelDeployment (spec.disaggregation.prefill)."""
+
+    replicas: Int32 = Field(
+        1,
+        ge=1,
+        description=(
+            "Prefill engine replicas (a Deployment of their own; spec.replicas, the scale subresource and"
+            " autoscaling are the decode engines')."
+        ),
+    )
+    resources: Resources | None = Field(
+        None, description="Each prefill engine pod's resources (default spec.resources, the decode engines')."
+    )
+
+
+class Disaggregation(CamelModel):
+    """Prefill/decode disaggregation: prompts are prefilled on their own engines, whose KV cache the decode
+    engines read (--kv-transfer-config, Mooncake), and the router runs --strategy pd."""
+
+    prefill: PrefillRole = Field(default_factory=PrefillRole, json_schema_extra=SERVER_DEFAULT_OBJECT)
+
+
+# What spec.disaggregation does not run with yet, each a CEL rule on the spec and the same check in
+# ModelDeploymentSpec._disaggregation: (rule, message).
+_ONE = "(has(self.{0}) ? self.{0} : 1) == 1"
+DISAGGREGATION_RULES: list[tuple[str, str]] = [
+    (
+        "!has(self.disaggregation) || ("
+        + " && ".join(_ONE.format(f) for f in ("tensorParallelSize", "pipelineParallelSize", "nodes"))
+        + ")",
+        "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1 (the KV transfer"
+        " moves one rank's cache)",
+    ),
+    (
+        "!has(self.disaggregation) || (has(self.resources) && has(self.resources.gpus)"
+        " && self.resources.gpus == 0 && (!has(self.disaggregation.prefill)"
+        " || !has(self.disaggregation.prefill.resources)"
+        " || (has(self.disaggregation.prefill.resources.gpus)"
+        " && self.disaggregation.prefill.resources.gpus == 0)))",
+        "spec.disaggregation needs CPU engines for now (resources.gpus 0, and"
+        " disaggregation.prefill.resources.gpus 0): the engine's Mooncake transfer moves host memory",
+    ),
+    (
+        "!has(self.disaggregation) || !has(self.adapters) || size(self.adapters) == 0",
+        "spec.disaggregation does not support spec.adapters yet",
+    ),
+    (
+        "!has(self.disaggregation) || !has(self.scaleFromZero)",
+        "spec.disaggregation does not support spec.scaleFromZero yet (the prefill engines stay up)",
+    ),
+    (
+        "!has(self.disaggregation) || !has(self.router) || !has(self.router.strategy)"
+        f" || self.router.strategy == '{DEFAULT_STRATEGY}'",
+        "spec.router.strategy does not apply with spec.disaggregation: the router runs --strategy pd",
+    ),
+]
+
+
 class ModelDeploymentSpec(CamelModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -420,6 +479,7 @@ class ModelDeploymentSpec(CamelModel):
                     " || self.adapters.all(a, a.name != self.servedModelName)",
                     "spec.adapters[].name must differ from spec.servedModelName",
                 )["x-kubernetes-validations"],
+                *({"rule": rule, "message": message} for rule, message in DISAGGREGATION_RULES),
             ]
         }
     )
@@ -511,6 +571,15 @@ class ModelDeploymentSpec(CamelModel):
             " Secrets reach the pods through hfTokenSecret and apiKeySecret."
         ),
     )
+    disaggregation: Disaggregation | None = Field(
+        None,
+        description=(
+            "Prefill/decode disaggregation: the engines above become the decode engines, and"
+            " disaggregation.prefill adds the prefill engines (<name>-prefill), whose KV cache the decode"
+            " engines read (--kv-transfer-config, Mooncake); the router runs --strategy pd. CPU engines"
+            " of one rank only, for now."
+        ),
+    )
     scale_from_zero: ScaleFromZero | None = Field(
         None,
         description=(
@@ -552,6 +621,28 @@ class ModelDeploymentSpec(CamelModel):
         gpus = self.resources.gpus
         if gpus and gpus < self.ranks_per_pod:
             raise ValueError(f"resources.gpus ({gpus}) must be >= {split}: one GPU per rank")
+        return self
+
+    @model_validator(mode="after")
+    def _disaggregation(self) -> ModelDeploymentSpec:
+        """DISAGGREGATION_RULES, as the CRD's CEL checks them."""
+        if self.disaggregation is None:
+            return self
+        prefill = self.disaggregation.prefill.resources
+        refused = [  # in DISAGGREGATION_RULES' order
+            self.ranks > 1 or self.nodes > 1,
+            self.resources.gpus > 0 or (prefill is not None and prefill.gpus > 0),
+            bool(self.adapters),
+            self.scale_from_zero is not None,
+            self.router.strategy != DEFAULT_STRATEGY,
+        ]
+        problems = [
+            message.removeprefix("spec.")
+            for (_rule, message), bad in zip(DISAGGREGATION_RULES, refused, strict=True)
+            if bad
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property

@@ -3,7 +3,8 @@
 phase:
 - Failed       the children could not be applied, or a Deployment's rollout gave up
                (ProgressDeadlineExceeded, ReplicaFailure)
-- Ready        every engine and router replica asked for is ready and up to date
+- Ready        every engine (with spec.disaggregation: decode and prefill) and router replica asked for is
+               ready and up to date
 - Pending      nothing is ready yet and the resource has never been ready
 - Progressing  a rollout or scale-up is under way
 - Degraded     it was serving, and fewer replicas are ready now with no rollout to explain it
@@ -49,6 +50,12 @@ class ModelDeploymentStatus(CamelModel):
     replicas: Int32 | None = None
     ready_replicas: Int32 | None = None
     router_ready_replicas: Int32 | None = None
+    prefill_replicas: Int32 | None = Field(
+        None, description="With spec.disaggregation, the prefill engine replicas (replicas: the decode ones)."
+    )
+    prefill_ready_replicas: Int32 | None = Field(
+        None, description="With spec.disaggregation, the ready prefill engine replicas."
+    )
     endpoint: str | None = None
     selector: str | None = Field(
         None, description="The engine pods' label selector (the scale subresource's, for the HPA)."
@@ -141,8 +148,13 @@ def compute_status(
     error: str | None = None,
     adapters: list[dict[str, Any]] | None = None,
     adapter_count: int = 0,
+    prefill: dict[str, Any] | None = None,
+    prefill_replicas: int | None = None,
 ) -> dict[str, Any]:
-    """The status the operator writes: engine/router from the live Deployments, error from applying."""
+    """The status the operator writes: engine/router from the live Deployments, error from applying.
+
+    ``prefill_replicas`` (None: not disaggregated): the prefill engines asked for, ``prefill`` their live
+    Deployment; ``engine`` is then the decode engines'. Ready needs both roles."""
     meta = modeldeployment.get("metadata") or {}
     name, namespace = meta["name"], meta["namespace"]
     generation = meta.get("generation")
@@ -152,23 +164,36 @@ def compute_status(
 
     eng = Rollout(engine, replicas)
     rtr = Rollout(router, router_replicas)
+    disaggregated = prefill_replicas is not None
+    pre = Rollout(prefill, prefill_replicas or 0)
     failure = (
         error
         or (f"engine: {eng.failure}" if eng.failure else "")
+        or (f"prefill engine: {pre.failure}" if disaggregated and pre.failure else "")
         or (f"router: {rtr.failure}" if rtr.failure else "")
     )
+    engines = [eng, pre] if disaggregated else [eng]
     if failure:
         phase = "Failed"
-    elif eng.complete and rtr.complete:
+    elif all(e.complete for e in engines) and rtr.complete:
         phase = "Ready"
-    elif eng.ready == 0 and rtr.ready == 0 and was in (None, "", "Pending"):
+    elif all(e.ready == 0 for e in engines) and rtr.ready == 0 and was in (None, "", "Pending"):
         phase = "Pending"
-    elif eng.rolling or rtr.rolling or was in (None, "", "Pending", "Progressing", "Failed"):
+    elif (
+        any(e.rolling for e in engines)
+        or rtr.rolling
+        or was in (None, "", "Pending", "Progressing", "Failed")
+    ):
         phase = "Progressing"
     else:
         phase = "Degraded"
 
     ready_message = f"engine {eng.ready}/{replicas} ready, router {rtr.ready}/{router_replicas} ready"
+    if disaggregated:
+        ready_message = (
+            f"decode engine {eng.ready}/{replicas} ready, prefill engine {pre.ready}/{prefill_replicas}"
+            f" ready, router {rtr.ready}/{router_replicas} ready"
+        )
     conditions = [
         _condition(
             "Reconciled",
@@ -196,6 +221,16 @@ def compute_status(
         ),
         _condition("Ready", phase == "Ready", phase, failure or ready_message, generation, previous),
     ]
+    if disaggregated:
+        prefill_ready = _condition(
+            "PrefillEngineReady",
+            pre.complete,
+            "ReplicasReady" if pre.complete else ("RolloutFailed" if pre.failure else "ReplicasNotReady"),
+            pre.failure or f"{pre.ready}/{prefill_replicas} prefill engine replicas ready",
+            generation,
+            previous,
+        )
+        conditions.insert(2, prefill_ready)
     status: dict[str, Any] = {
         "phase": phase,
         "replicas": eng.replicas,
@@ -205,6 +240,12 @@ def compute_status(
         "selector": label_selector(name, "engine"),
         "conditions": conditions,
     }
+    if disaggregated:
+        status["prefillReplicas"] = pre.replicas
+        status["prefillReadyReplicas"] = pre.ready
+    elif "prefillReplicas" in previous_status or "prefillReadyReplicas" in previous_status:
+        # no longer disaggregated: null removes them (the status is written as a JSON merge patch)
+        status["prefillReplicas"] = status["prefillReadyReplicas"] = None
     if generation is not None:
         status["observedGeneration"] = generation
     if adapters is not None or adapter_count:

@@ -154,6 +154,21 @@ def test_design_example_is_accepted() -> None:
         ({"tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"scaleFromZero": {"scaleDownDelaySeconds": 0}}, "spec.scaleFromZero.scaleDownDelaySeconds"),
         ({"scaleFromZero": {"maxHeldRequests": 0}}, "spec.scaleFromZero.maxHeldRequests"),
+        # spec.disaggregation: one rank per engine, on CPUs (the example's engines have a GPU)
+        (
+            {"disaggregation": {}, "resources__gpus": 0, "tensorParallelSize": 2},
+            "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1",
+        ),
+        (
+            {"disaggregation": {}, "resources__gpus": 0, "tensorParallelSize": 2, "nodes": 2},
+            "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1",
+        ),
+        (
+            {"disaggregation": {}, "resources__gpus": 0, "pipelineParallelSize": 2},
+            "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1",
+        ),
+        ({"disaggregation": {}}, "spec.disaggregation needs CPU engines for now"),
+        ({"disaggregation": {"prefill": {"replicas": 0}}}, "spec.disaggregation.prefill.replicas"),
     ],
 )
 def test_bad_specs_are_rejected_naming_the_field(changes: dict[str, Any], field: str) -> None:
@@ -193,6 +208,9 @@ def test_immutable_cache_fields_on_update() -> None:
         {"model": "m", "tensorParallelSize": 2, "pipelineParallelSize": 2, "resources": {"gpus": 4}},
         {"model": "m", "tensorParallelSize": 8, "pipelineParallelSize": 2, "nodes": 2,
          "resources": {"gpus": 8}},
+        {"model": "embedded", "resources": {"gpus": 0}, "disaggregation": {}},
+        {"model": "embedded", "replicas": 3, "resources": {"gpus": 0},
+         "disaggregation": {"prefill": {"replicas": 2, "resources": {"gpus": 0, "cpu": 8}}}},
     ],
 )
 def test_crd_defaults_agree_with_the_typed_spec(spec: dict[str, Any]) -> None:
@@ -226,3 +244,41 @@ def _schema_fields(schema: dict[str, Any], prefix: str = "") -> set[str]:
         if sub.get("type") == "object" and "properties" in sub:
             out |= _schema_fields(sub, f"{prefix}{name}.")
     return out
+
+
+def test_disaggregation_is_checked_by_the_crd_as_by_the_typed_spec() -> None:
+    """The CEL rule alone (no other rule fires): a disaggregated spec of one CPU rank is accepted, the same
+    with tensorParallelSize 2 or nodes 2 refused with the rule's message, by the API server's schema and
+    by the operator's typed spec."""
+    ok = {"model": "embedded", "resources": {"gpus": 0}, "disaggregation": {"prefill": {"replicas": 2}}}
+    md = {"apiVersion": "pagedserve.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "pd"}}
+    assert SCHEMA.errors({**md, "spec": ok}) == []
+    assert parse_spec(ok).disaggregation is not None
+    message = (
+        "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1 (the KV transfer"
+        " moves one rank's cache)"
+    )
+    for split in ({"tensorParallelSize": 2}, {"nodes": 2, "tensorParallelSize": 2}):
+        errors = SCHEMA.errors({**md, "spec": {**ok, **split}})
+        assert len(errors) == 1 and message in errors[0], errors
+        with pytest.raises(ValidationError, match="disaggregation needs tensorParallelSize"):
+            parse_spec({**ok, **split})
+        # the same split without disaggregation is fine
+        colocated = {key: value for key, value in {**ok, **split}.items() if key != "disaggregation"}
+        assert SCHEMA.errors({**md, "spec": colocated}) == []
+
+
+def test_status_schema_holds_a_disaggregated_status() -> None:
+    from pagedserve.operator.status import compute_status
+
+    written = compute_status(
+        {"metadata": {"name": "m", "namespace": "ml", "generation": 1}},
+        engine=None,
+        router=None,
+        replicas=1,
+        router_replicas=1,
+        prefill={"status": {"replicas": 2, "readyReplicas": 1}},
+        prefill_replicas=2,
+    )
+    assert (written["prefillReplicas"], written["prefillReadyReplicas"]) == (2, 1)
+    assert SCHEMA.errors({**EXAMPLE, "status": written}) == []

@@ -4,6 +4,7 @@ oldest and the newest Kubernetes minor we support (pagedserve/testing/kube.py)."
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -55,6 +56,15 @@ SPECS: dict[str, dict[str, Any]] = {
     "pipeline-parallel": md(tensorParallelSize=2, pipelineParallelSize=2, resources={"gpus": 4}),
     "multi-node": md(
         replicas=2, tensorParallelSize=8, pipelineParallelSize=2, nodes=2, resources={"gpus": 8}
+    ),
+    # prefill/decode disaggregation: decode engines (spec.replicas, autoscaled) and prefill engines
+    "disaggregated": md(
+        model="embedded",
+        replicas=3,
+        resources={"gpus": 0},
+        disaggregation={"prefill": {"replicas": 2, "resources": {"gpus": 0, "cpu": 8, "memory": "16Gi"}}},
+        autoscaling={"maxReplicas": 6},
+        env=[{"name": "POD_IP", "value": "not-mine"}, {"name": "LOG_LEVEL", "value": "debug"}],
     ),
     "extra-args": md(
         engine={
@@ -599,3 +609,133 @@ def test_tensor_parallel_on_cpu_needs_no_gpus() -> None:
     assert args[args.index("--tensor-parallel-size") + 1] == "3"
     assert args[args.index("--device") + 1] == "cpu"
     assert not any("gpu" in key for key in engine["resources"]["requests"])
+
+
+def kv_transfer_config(args: list[str]) -> dict[str, Any]:
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def test_disaggregation_renders_a_prefill_and_a_decode_role() -> None:
+    """spec.disaggregation: the engine Deployment and Service are the decode engines (kv_consumer), a
+    second Deployment and Service <name>-prefill the prefill engines (kv_producer), each engine at its own
+    pod IP ($(POD_IP), from the downward API); the router runs --strategy pd over both Services."""
+    children = by_kind(render(SPECS["disaggregated"]))
+    assert {key for key in children if "prefill" in key[1]} == {
+        ("Deployment", "llama-8b-prefill"),
+        ("Service", "llama-8b-prefill"),
+        ("PodDisruptionBudget", "llama-8b-prefill"),
+    }
+    decode = container(list(children.values()), "llama-8b-engine")
+    prefill = container(list(children.values()), "llama-8b-prefill")
+    for engine, role in ((decode, "kv_consumer"), (prefill, "kv_producer")):
+        assert kv_transfer_config(engine["args"]) == {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "kv_ip": "$(POD_IP)",
+            "kv_port": 14579,
+        }
+        env = env_of(engine)
+        # the operator's POD_IP, not the spec's: $(POD_IP) must be the pod's own address
+        assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert [e["name"] for e in engine["env"]].count("POD_IP") == 1
+        assert env["LOG_LEVEL"] == "debug"
+        assert engine["args"][engine["args"].index("--device") + 1] == "cpu"
+    # the same engine otherwise: only the role in --kv-transfer-config differs
+    differ = [(a, b) for a, b in zip(decode["args"], prefill["args"], strict=True) if a != b]
+    assert len(differ) == 1 and "kv_producer" in differ[0][1]
+    # the side channel decode engines connect to, on the prefill pods
+    assert prefill["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "kv-side", "containerPort": 14579, "protocol": "TCP"},
+    ]
+    assert decode["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    # replicas and resources: spec.replicas (which the HPA writes) for decode, prefill's own for prefill
+    decode_deployment = children[("Deployment", "llama-8b-engine")]
+    prefill_deployment = children[("Deployment", "llama-8b-prefill")]
+    assert (decode_deployment["spec"]["replicas"], prefill_deployment["spec"]["replicas"]) == (3, 2)
+    assert decode["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+    assert prefill["resources"] == {"requests": {"cpu": "8", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
+    assert children[("HorizontalPodAutoscaler", "llama-8b")]["spec"]["scaleTargetRef"]["name"] == "llama-8b"
+    # each role's pods, selected by its own Service, Deployment and PodDisruptionBudget only
+    prefill_labels = prefill_deployment["spec"]["template"]["metadata"]["labels"]
+    decode_labels = decode_deployment["spec"]["template"]["metadata"]["labels"]
+    assert prefill_labels["app.kubernetes.io/component"] == "engine-prefill"
+    for kind in ("Service", "PodDisruptionBudget", "Deployment"):
+        spec = children[(kind, "llama-8b-prefill")]["spec"]
+        selector = spec["selector"].get("matchLabels", spec["selector"])
+        assert selector.items() <= prefill_labels.items() and not selector.items() <= decode_labels.items()
+        spec = children[(kind, "llama-8b-engine")]["spec"]
+        selector = spec["selector"].get("matchLabels", spec["selector"])
+        assert selector.items() <= decode_labels.items() and not selector.items() <= prefill_labels.items()
+    assert children[("Service", "llama-8b-prefill")]["spec"]["clusterIP"] == "None"
+    # both roles scraped
+    assert prefill_deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    monitored = children[("PodMonitor", "llama-8b")]["spec"]["selector"]["matchExpressions"][0]["values"]
+    assert set(monitored) == {"engine", "engine-prefill", "router"}
+    # the router: pd over the decode Service (--k8s-service) and the prefill one
+    args = container(list(children.values()), "llama-8b-router")["args"]
+    assert args[args.index("--strategy") + 1] == "pd"
+    assert args[args.index("--k8s-service") + 1] == "llama-8b-engine"
+    assert args[args.index("--prefill-k8s-service") + 1] == "llama-8b-prefill"
+    # its Role lets it watch every EndpointSlice of its namespace, the prefill Service's too
+    assert children[("Role", "llama-8b-router")]["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+
+
+def test_prefill_engines_default_to_the_decode_engines_resources() -> None:
+    spec = md(model="embedded", resources={"gpus": 0, "cpu": 3, "memory": "6Gi"}, disaggregation={})
+    children = render(spec)
+    decode, prefill = container(children, "llama-8b-engine"), container(children, "llama-8b-prefill")
+    assert prefill["resources"] == decode["resources"] == {
+        "requests": {"cpu": "3", "memory": "6Gi"},
+        "limits": {"memory": "6Gi"},
+    }
+    assert by_kind(children)[("Deployment", "llama-8b-prefill")]["spec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize("case", sorted(set(SPECS) - {"disaggregated"}))
+def test_colocated_renders_have_no_disaggregation(case: str) -> None:
+    """Without spec.disaggregation nothing of it is rendered (the other tests pin the colocated renders)."""
+    children = render(SPECS[case])
+    assert not any(c["metadata"]["name"].endswith("-prefill") for c in children)
+    for child in children:
+        text = json.dumps(child)
+        assert "kv-transfer-config" not in text and "kv-side" not in text and "engine-prefill" not in text
+        assert "--prefill-k8s-service" not in text and '"pd"' not in text
+
+
+ONE_RANK = "disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"tensorParallelSize": 2}, ONE_RANK),
+        ({"pipelineParallelSize": 2}, ONE_RANK),
+        ({"nodes": 2, "tensorParallelSize": 2}, ONE_RANK),
+        ({"resources": {"gpus": 1}}, "disaggregation needs CPU engines for now"),
+        ({"disaggregation": {"prefill": {"resources": {}}}}, "disaggregation needs CPU engines for now"),
+        ({"disaggregation": {"prefill": {"replicas": 0}}}, "spec.disaggregation.prefill.replicas"),
+        ({"adapters": LORA_SPEC["adapters"]}, "disaggregation does not support spec.adapters yet"),
+        (
+            {"scaleFromZero": {}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+            "disaggregation does not support spec.scaleFromZero yet",
+        ),
+        ({"router": {"strategy": "kv-events"}}, "router.strategy does not apply with spec.disaggregation"),
+    ],
+)
+def test_what_disaggregation_does_not_run_with_is_refused(spec: dict[str, Any], message: str) -> None:
+    """The typed spec's refusals, as the CRD's CEL rules (test_operator_crd.py) make them."""
+    from pagedserve.operator.spec import format_validation_error
+
+    bad = md(model="embedded", resources={"gpus": 0}, disaggregation={})
+    bad["spec"].update(spec)
+    with pytest.raises(ValidationError) as error:
+        render(bad)
+    assert message in format_validation_error(error.value)
+    assert any(message in problem for problem in manifest_errors(bad)), manifest_errors(bad)

@@ -145,3 +145,51 @@ def test_a_leaderworkerset_engine_reads_as_a_deployment() -> None:
     gave_up = [{"type": "Progressing", "status": "False", "message": "gave up"}]
     stuck = deployment(2, 1, conditions=gave_up)
     assert status(stuck, deployment(2, 2))["phase"] == "Failed"
+
+
+def test_a_disaggregated_deployment_is_ready_when_both_roles_are() -> None:
+    """spec.disaggregation: the engine Deployment is the decode role, the prefill Deployment the other;
+    Ready needs both, and the status reports the prefill role's replicas and a condition of its own."""
+    prefill_pending = status(deployment(2, 2), deployment(2, 2), prefill=deployment(1, 0), prefill_replicas=1)
+    assert prefill_pending["phase"] == "Progressing"
+    assert (prefill_pending["prefillReplicas"], prefill_pending["prefillReadyReplicas"]) == (1, 0)
+    conditions = {c["type"]: c for c in prefill_pending["conditions"]}
+    assert conditions["EngineReady"]["status"] == "True"
+    assert conditions["PrefillEngineReady"]["status"] == "False"
+    assert conditions["PrefillEngineReady"]["message"] == "0/1 prefill engine replicas ready"
+    assert "prefill engine 0/1 ready" in conditions["Ready"]["message"]
+
+    ready = status(deployment(2, 2), deployment(2, 2), prefill=deployment(1, 1), prefill_replicas=1)
+    assert ready["phase"] == "Ready" and ready["prefillReadyReplicas"] == 1
+    assert {c["type"]: c["status"] for c in ready["conditions"]} == {
+        "Reconciled": "True",
+        "EngineReady": "True",
+        "PrefillEngineReady": "True",
+        "RouterReady": "True",
+        "Ready": "True",
+    }
+    # the prefill engines lost one: Degraded, as for the decode engines
+    lost = status(deployment(2, 2), deployment(2, 2), ready, prefill=deployment(1, 0), prefill_replicas=1)
+    assert lost["phase"] == "Degraded"
+    # nothing ready at all yet: Pending; the prefill Deployment's rollout gave up: Failed, naming the role
+    nothing = status(deployment(2, 0), deployment(2, 0), prefill=deployment(1, 0), prefill_replicas=1)
+    assert nothing["phase"] == "Pending"
+    stuck = [{"type": "Progressing", "status": "False", "message": "gave up"}]
+    failed = status(
+        deployment(2, 2), deployment(2, 2), prefill=deployment(1, 0, conditions=stuck), prefill_replicas=1
+    )
+    assert failed["phase"] == "Failed"
+    assert {c["type"]: c for c in failed["conditions"]}["Ready"]["message"] == "prefill engine: gave up"
+    # no prefill Deployment yet (just created): not ready
+    assert status(deployment(2, 2), deployment(2, 2), prefill_replicas=1)["phase"] == "Progressing"
+
+
+def test_colocated_status_has_no_prefill_fields_and_clears_old_ones() -> None:
+    colocated = status(deployment(2, 2), deployment(2, 2))
+    assert "prefillReplicas" not in colocated and "prefillReadyReplicas" not in colocated
+    assert "PrefillEngineReady" not in {c["type"] for c in colocated["conditions"]}
+    # disaggregation removed: null removes the old fields (the status is written as a JSON merge patch)
+    was = status(deployment(2, 2), deployment(2, 2), prefill=deployment(1, 1), prefill_replicas=1)
+    after = status(deployment(2, 2), deployment(2, 2), was)
+    assert after["prefillReplicas"] is None and after["prefillReadyReplicas"] is None
+    assert status_changed(was, after)
