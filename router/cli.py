@@ -156,8 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-timeout",
         type=float,
         default=120.0,
-        help="--strategy pd: seconds for the whole prefill step; a slower one runs colocated on a decode "
-        "engine instead",
+        help="--strategy pd: seconds the prefill step waits for its engine's answer (the prefill engine "
+        "sends nothing before its one token); a slower step runs colocated on a decode engine instead",
     )
 
     g = parser.add_argument_group("upstream connections")

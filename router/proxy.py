@@ -158,7 +158,7 @@ class RouterConfig:
     activity_interval: float = 10.0
     engine_api_key: str | None = None  # the engines' --api-key, for their KV event streams
     # --strategy pd (router/pd.py): the prefill engines, found as the others are; backends / k8s_service
-    # are then the decode engines. prefill_timeout: seconds for the whole prefill step.
+    # are then the decode engines. prefill_timeout: seconds the prefill step waits for its engine's bytes.
     prefill_backends: list[str] = field(default_factory=list)
     prefill_k8s_service: str | None = None
     prefill_timeout: float = 120.0
@@ -896,11 +896,13 @@ class RouterApp:
         response: UpstreamResponse | None = None
         try:
             try:
-                async with asyncio.timeout(self.config.prefill_timeout):
-                    response = await self.upstream.request(url, "POST", target, req_headers, payload)
-                    client_error = pd.is_client_error(response.status)
-                    answer = await (response.next_chunk() if client_error else response.read())
-            except (UpstreamError, TimeoutError) as exc:
+                # Its read timeout bounds the step: a prefill engine sends nothing until its one token.
+                response = await self.upstream.request(
+                    url, "POST", target, req_headers, payload, read_timeout=self.config.prefill_timeout
+                )
+                client_error = pd.is_client_error(response.status)
+                answer = await (response.next_chunk() if client_error else response.read())
+            except UpstreamError as exc:
                 return PrefillResult(fallback=self._prefill_failed(url, exc))
             finally:
                 self.metrics.pd_prefill_seconds.observe(time.perf_counter() - started)
@@ -931,7 +933,7 @@ class RouterApp:
             return pd.PREFILL_UNREACHABLE
         if isinstance(exc, UpstreamDisconnect):
             return pd.PREFILL_UNREACHABLE
-        logger.warning("prefill backend %s failed: %s", url, exc or "timed out")
+        logger.warning("prefill backend %s failed: %s", url, exc)
         return pd.PREFILL_ERROR
 
     async def _admit_route(self, send, route: Route, model: str | None, exchange: Exchange) -> bool:
