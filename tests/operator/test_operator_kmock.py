@@ -423,3 +423,80 @@ async def test_idle_scale_down_through_the_scale_subresource(
         await asyncio.sleep(1)
         assert await engine_replicas(1)
         assert "no request for 3s: engines scaled to 0" in log.read_text()
+
+
+async def test_disaggregation_through_the_operator(
+    cluster: tuple[Emulator, httpx.AsyncClient], tmp_path: Path
+) -> None:
+    """spec.disaggregation: the operator applies the prefill role beside the decode one, reads both into
+    the status (Ready needs both), and removes the prefill role's children when the option goes."""
+    _, client = cluster
+    url = str(client.base_url).rstrip("/")
+    md = modeldeployment("pd", resources={"gpus": 0}, disaggregation={"prefill": {"replicas": 2}})
+    (await client.post(MD_PATH, json=md)).raise_for_status()
+    deployments = f"/apis/apps/v1/namespaces/{NS}/deployments"
+    prefill_paths = [
+        f"{deployments}/pd-prefill",
+        f"/api/v1/namespaces/{NS}/services/pd-prefill",
+        f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/pd-prefill",
+    ]
+
+    async def md_status() -> dict[str, Any]:
+        return (await get(client, f"{MD_PATH}/pd") or {}).get("status") or {}
+
+    async with running_operator(url, tmp_path, "pd") as log:
+        expected = render(md)
+        assert {child_path(m) for m in expected} >= set(prefill_paths)
+
+        async def children() -> bool:
+            return all([await get(client, child_path(m)) for m in expected])
+
+        await eventually(children, what="every child, the prefill role's too")
+        prefill = await get(client, f"{deployments}/pd-prefill")
+        assert prefill["spec"]["replicas"] == 2
+        router = (await get(client, f"{deployments}/pd-router"))["spec"]["template"]["spec"]["containers"][0]
+        assert router["args"][router["args"].index("--prefill-k8s-service") + 1] == "pd-prefill"
+
+        # decode and router ready, prefill not yet: not Ready, and the status says which role waits
+        for name, replicas in (("pd-engine", 1), ("pd-router", 2)):
+            ready = {"replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas}
+            await merge_patch(
+                client, f"{deployments}/{name}/status", {"status": {**ready, "observedGeneration": 1}}
+            )
+
+        async def prefill_waits() -> dict[str, Any] | None:
+            status = await md_status()
+            conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+            return status if conditions.get("EngineReady") == "True" else None
+
+        status = await eventually(prefill_waits, what="the decode engines ready")
+        assert status["phase"] != "Ready" and status["prefillReadyReplicas"] == 0
+        assert {c["type"]: c["status"] for c in status["conditions"]}["PrefillEngineReady"] == "False"
+
+        ready = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}
+        await merge_patch(client, f"{deployments}/pd-prefill/status", {"status": ready})
+
+        async def is_ready() -> dict[str, Any] | None:
+            status = await md_status()
+            return status if status.get("phase") == "Ready" else None
+
+        status = await eventually(is_ready, what="phase Ready with both roles")
+        assert (status["prefillReplicas"], status["prefillReadyReplicas"]) == (2, 2)
+
+        # the option removed: the prefill role's children go, the router returns to its strategy
+        await merge_patch(
+            client,
+            f"{MD_PATH}/pd",
+            {"metadata": {"generation": 2, "resourceVersion": "2"}, "spec": {"disaggregation": None}},
+        )
+
+        async def colocated() -> bool:
+            gone = [await get(client, path) is None for path in prefill_paths]
+            status = await md_status()
+            return all(gone) and "prefillReplicas" not in status
+
+        await eventually(colocated, what="the prefill role's children deleted and its status fields gone")
+        router = (await get(client, f"{deployments}/pd-router"))["spec"]["template"]["spec"]["containers"][0]
+        assert "--prefill-k8s-service" not in router["args"]
+        text = log.read_text()
+        assert "Traceback" not in text and "[ERROR" not in text, text
