@@ -41,6 +41,10 @@ BACKEND = {
     "required": ["url", "ready", "in_flight", "load"],
     "properties": {
         "url": {"type": "string"},
+        "role": {
+            "enum": ["colocated", "prefill", "decode"],
+            "description": "prefill or decode under --strategy pd (router/pd.py), else colocated",
+        },
         "ready": {"type": "boolean", "description": "in the ring: discovered ready and healthy"},
         "discovered_ready": {"type": "boolean"},
         "healthy": {"type": "boolean"},
@@ -122,6 +126,9 @@ def openapi_json() -> bytes:
                                     "status": {"const": "ok"},
                                     "ready_backends": {"type": "integer", "minimum": 0},
                                     "backends": {"type": "integer", "minimum": 0},
+                                    # --strategy pd: the prefill engines (the others are the decode ones)
+                                    "ready_prefill_backends": {"type": "integer", "minimum": 0},
+                                    "prefill_backends": {"type": "integer", "minimum": 0},
                                 },
                             },
                             "alive",
