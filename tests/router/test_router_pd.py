@@ -120,6 +120,14 @@ def metric_value(text: str, name: str, **labels) -> float:
     return total
 
 
+def wait_metric(f: PDFleet, name: str, value: float, timeout: float = 10, **labels) -> None:
+    """Until a metric reads ``value``: a request is counted done after its answer's last byte is sent."""
+    deadline = time.monotonic() + timeout
+    while metric_value(m := f.metrics(), name, **labels) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric_value(m, name, **labels) == value, m
+
+
 def post_raw(f: PDFleet, path: str, request: dict) -> tuple[bytes, httpx.Response]:
     raw = json.dumps(request, indent=1).encode()  # spaces and newlines: the decode body must keep them
     return raw, f.client.post(path, content=raw, headers={"content-type": "application/json"})
@@ -144,8 +152,8 @@ def test_chat_is_prefilled_then_decoded_with_the_prefills_kv_params(pd_fleet):
     assert metric_value(m, "pagedserve_router_pd_requests_total") == 1
     assert metric_value(m, "pagedserve_router_pd_fallbacks_total") == 0
     assert metric_value(m, "pagedserve_router_pd_prefill_seconds_count") == 1
-    assert metric_value(m, "pagedserve_router_requests_total", backend=f.decodes[0].url, status="200") == 1
-    assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+    wait_metric(f, "pagedserve_router_requests_total", 1, backend=f.decodes[0].url, status="200")
+    wait_metric(f, "pagedserve_router_in_flight_requests", 0)
 
 
 def test_a_streamed_completion_is_prefilled_unstreamed_and_decoded_as_a_stream(pd_fleet):
@@ -254,8 +262,8 @@ def test_a_prefill_4xx_is_the_answer(pd_fleet):
     m = f.metrics()
     assert metric_value(m, "pagedserve_router_pd_requests_total") == 1
     assert metric_value(m, "pagedserve_router_pd_fallbacks_total") == 0
-    assert metric_value(m, "pagedserve_router_requests_total", backend=f.prefills[0].url, status="400") == 1
-    assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+    wait_metric(f, "pagedserve_router_requests_total", 1, backend=f.prefills[0].url, status="400")
+    wait_metric(f, "pagedserve_router_in_flight_requests", 0)
 
 
 @pytest.mark.parametrize(
@@ -303,13 +311,8 @@ def test_a_client_leaving_during_the_prefill_step_stops_it(pd_fleet, raw_post):
     while not f.p0.received and time.monotonic() < deadline:
         time.sleep(0.02)
     client.close()
-    while time.monotonic() < deadline:
-        m = f.metrics()
-        if metric_value(m, "pagedserve_router_requests_total", status="client_disconnect") == 1:
-            break
-        time.sleep(0.05)
-    assert metric_value(m, "pagedserve_router_requests_total", status="client_disconnect") == 1
-    assert metric_value(m, "pagedserve_router_in_flight_requests") == 0
+    wait_metric(f, "pagedserve_router_requests_total", 1, status="client_disconnect")
+    wait_metric(f, "pagedserve_router_in_flight_requests", 0)
     assert f.decoded() == []
 
 
