@@ -209,7 +209,8 @@ class EngineStatsCollector:
                            "Finished prefills whose KV blocks wait for their decode engine.",
                            transfer.num_held_requests)
         yield self._family(c, "vllm:kv_transfer_expired",
-                           "Finished prefills whose held KV blocks no decode engine read in time.",
+                           "Finished prefills whose held KV blocks no decode engine read in time (or that "
+                           "were freed unread to make room for new requests).",
                            transfer.num_expired)
 
     def _kv_offload(self, tier: KVOffloadStats) -> Iterator[Metric]:

@@ -56,7 +56,6 @@ UNSUPPORTED_FIELDS = {
     "return_tokens_as_token_ids": "not implemented",
     "return_token_ids": "not implemented",
     "request_id": "the server names each request itself (the X-Request-Id header of the response)",
-    "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "extension arguments are not supported",
     # OpenAI's own fields for features this server lacks: named, not "unrecognized".
     "functions": "deprecated by OpenAI: send tools",

@@ -6,7 +6,9 @@ config, the params and the side channel live beside it in server/kv_transfer/).
 Prefill engine: a request with ``do_remote_decode`` that ends (after its one token) keeps its blocks:
 ``hold`` takes them out of the KV manager's hands and returns the ``kv_transfer_params`` its response
 carries. They go back to the pool when the decode engine says it read them (server/kv_transfer/
-side_channel.py) or when ``hold_seconds`` pass, whichever comes first (``take_freeable``).
+side_channel.py) or when ``hold_seconds`` pass, whichever comes first (``take_freeable``); a decode engine
+acquires them before reading, so that blocks freed by their hold time are never read, and acquired ones
+stay until released (or a second hold time passes: a reader that died).
 
 Decode engine: a request with ``do_remote_prefill`` is admitted with blocks for its whole prompt; those past
 its own prefix-cache hits are read from the prefill engine's blocks (``plan_load``) before the step that
@@ -17,6 +19,7 @@ fails leaves the request to compute its prompt itself (a colocated run, counted 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -42,6 +45,7 @@ class RemoteLoad:
 class HeldBlocks:
     blocks: list[Block]
     deadline: float  # time.monotonic() past which they are freed unread
+    acquired: bool = False  # a decode engine is reading them: the deadline was pushed back once
 
 
 class KVConnector:
@@ -49,12 +53,14 @@ class KVConnector:
         self.config = config
         self.layout = layout
         self.block_size = block_size
-        self.listener = ReleaseListener(config.kv_ip, config.kv_port) if config.produces else None
+        self.listener = ReleaseListener(config.kv_ip, config.kv_port, self._acquire) if config.produces \
+            else None
         self.sender = ReleaseSender() if config.consumes else None
+        self._lock = threading.Lock()  # ``held``: the scheduler's thread and the side channel's threads
         self.held: dict[str, HeldBlocks] = {}
         # For /metrics (server/engine/core_stats.py): prompt tokens of requests that came with a remote
         # prefill, and those read instead of computed (vLLM's external prefix cache); the reads; held
-        # blocks freed because no decode engine read them in time.
+        # blocks freed because no decode engine read them in time (or made room for new requests).
         self.queries = self.hits = self.bytes_received = self.num_transfers = 0
         self.num_failed = self.num_expired = 0
         self.transfer_seconds = 0.0
@@ -63,7 +69,8 @@ class KVConnector:
 
     def hold(self, request: Request, blocks: list[Block]) -> dict:
         """Keep a finished prefill's blocks for its decode engine; the params that say where they are."""
-        self.held[request.request_id] = HeldBlocks(blocks, time.monotonic() + self.config.hold_seconds)
+        with self._lock:
+            self.held[request.request_id] = HeldBlocks(blocks, time.monotonic() + self.config.hold_seconds)
         assert self.listener is not None  # only a producing role holds
         return RemotePrefill(
             request_id=request.request_id,
@@ -75,13 +82,36 @@ class KVConnector:
 
     def take_freeable(self) -> list[list[Block]]:
         """Held blocks released by their readers, or past their deadline: the caller frees them."""
-        freeable = [held.blocks for rid in self.listener.take() if (held := self.held.pop(rid, None))] \
-            if self.listener is not None else []
+        if self.listener is None:
+            return []
+        released = self.listener.take()
         now = time.monotonic()
-        for request_id in [rid for rid, held in self.held.items() if held.deadline < now]:
-            freeable.append(self.held.pop(request_id).blocks)
-            self.num_expired += 1
+        with self._lock:
+            freeable = [held.blocks for rid in released if (held := self.held.pop(rid, None))]
+            for request_id in [rid for rid, held in self.held.items() if held.deadline < now]:
+                freeable.append(self.held.pop(request_id).blocks)
+                self.num_expired += 1
         return freeable
+
+    def evict_oldest(self) -> list[Block] | None:
+        """The blocks of the oldest hold no decode engine has acquired, given up to make room (its reader
+        will be told they are gone, and compute the prompt); None when every hold is being read."""
+        with self._lock:
+            oldest = next((rid for rid, held in self.held.items() if not held.acquired), None)
+            if oldest is None:
+                return None
+            self.num_expired += 1
+            return self.held.pop(oldest).blocks
+
+    def _acquire(self, request_id: str) -> bool:
+        """A decode engine is about to read: True if the blocks are still held (kept until released)."""
+        with self._lock:
+            held = self.held.get(request_id)
+            if held is None or held.deadline < time.monotonic():
+                return False
+            if not held.acquired:
+                held.acquired, held.deadline = True, held.deadline + self.config.hold_seconds
+            return True
 
     # ---- decode engine ------------------------------------------------------------------------------
 
@@ -96,6 +126,11 @@ class KVConnector:
             return None
         return RemoteLoad(request, source, list(source.block_ids[num_local_blocks:num_needed]),
                           block_ids[num_local_blocks:num_needed], num_local_blocks * self.block_size)
+
+    def acquire(self, load: RemoteLoad) -> bool:
+        """Ask the prefill engine to keep the blocks until released; False: they are gone (do not read)."""
+        assert self.sender is not None
+        return self.sender.acquire(load.source.side_channel, load.source.request_id)
 
     def loaded(self, load: RemoteLoad, result: int | Exception, seconds: float) -> None:
         """Count a read (its bytes, or the error it failed with) and tell the prefill engine it is done."""

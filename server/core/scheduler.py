@@ -153,6 +153,8 @@ class Scheduler:
                 if drafts:  # drafts are dropped before anyone is preempted
                     drafts = []
                     continue
+                if self._evict_held():  # a finished prefill's blocks go before a running request's
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -192,6 +194,8 @@ class Scheduler:
             if not remote:
                 num_new = min(num_new, budget)
             if not self.kv.allocate(request, num_new, cached, cache=not remote):
+                if self._evict_held():
+                    continue
                 break  # FCFS: nobody overtakes the head of the queue (but requests for a LoRA slot)
             self.waiting.popleft()
             if lora_id:
@@ -240,6 +244,8 @@ class Scheduler:
         for load in plan.kv_loads:
             request, start = load.request, time.perf_counter()
             try:
+                if not self.connector.acquire(load):
+                    raise RuntimeError("the prefill engine no longer holds the blocks")
                 result: int | Exception = read(load)
             except Exception as exc:
                 logger.warning("reading request %s's KV from %s failed (%s): computing its prompt here",
@@ -258,6 +264,15 @@ class Scheduler:
         if self.connector is not None:
             for blocks in self.connector.take_freeable():
                 self.kv.release(blocks)
+
+    def _evict_held(self) -> bool:
+        """Free the oldest finished prefill's held blocks that no decode engine is reading, for a request
+        that does not fit; False when there are none."""
+        blocks = self.connector.evict_oldest() if self.connector is not None else None
+        if blocks is None:
+            return False
+        self.kv.release(blocks)
+        return True
 
     def _hold_for_decode(self, request: Request, status: RequestStatus) -> bool:
         """Keep a finished prefill's blocks for its decode engine (``kv_transfer_params`` tells it where);

@@ -62,6 +62,7 @@ class EngineCore:
         self.proposer = DraftProposer(spec, config.max_model_len or 0) if spec is not None else None
         self.async_scheduling = executor.async_scheduling
         self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not yet read back
+        self.stalled = False  # the last step ran nothing: every request waits (for blocks held for peers)
 
     @property
     def model_path(self) -> Path:
@@ -147,6 +148,7 @@ class EngineCore:
                 raise
             return self._finish(plan, launched)  # the device runs the step ahead meanwhile
         plan = self.scheduler.schedule()
+        self.stalled = plan.empty and not plan.kv_loads
         if plan.kv_loads:  # prompts computed by a prefill engine: their KV is read before the step runs
             self.scheduler.load_remote_kv(plan, self.executor.read_remote_kv)
         if plan.empty:

@@ -97,7 +97,8 @@ def _output_row(o: EngineCoreOutput) -> _OutputRow:
     m = o.metrics
     return (o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
             o.num_cached_tokens, m.arrival_time, m.first_scheduled_time, m.first_token_time,
-            m.last_token_time, m.finished_time, o.prompt_logprobs, o.token_time, o.pooled)
+            m.last_token_time, m.finished_time, o.prompt_logprobs, o.token_time, o.pooled,
+            o.kv_transfer_params)
 
 
 def _step_outputs(rows: list[_OutputRow], stats: EngineStats, kv_events: list[Any], failed_ids: list[str],
@@ -105,9 +106,9 @@ def _step_outputs(rows: list[_OutputRow], stats: EngineStats, kv_events: list[An
     outputs = [
         EngineCoreOutput(request_id, token_ids, logprobs, finish, stop, cached,
                          RequestMetrics(arrival, scheduled, first, last, finished), prompt_logprobs,
-                         token_time, pooled)
+                         token_time, pooled, kv_transfer_params)
         for (request_id, token_ids, logprobs, finish, stop, cached, arrival, scheduled, first, last, finished,
-             prompt_logprobs, token_time, pooled) in rows
+             prompt_logprobs, token_time, pooled, kv_transfer_params) in rows
     ]
     return StepOutputs(outputs, stats, kv_events, failed_ids, error)
 

@@ -50,7 +50,7 @@ class KVTransferStats:
     num_transfers: int
     num_failed: int  # reads that failed: those requests computed their prompts here
     num_held_requests: int  # finished prefills whose blocks wait for their decode engine
-    num_expired: int  # held blocks freed because no decode engine read them in time
+    num_expired: int  # held blocks freed unread: their hold time ended, or new requests needed the room
 
 
 @dataclass

@@ -42,6 +42,7 @@ from pagedserve.server.log import configure_logging
 logger = logging.getLogger("pagedserve.engine")
 
 IDLE_REPORT_S = 1.0  # statistics sent this often while nothing runs
+STALLED_WAIT_S = 0.005  # a step that ran nothing waits this long for news before the next one
 
 
 def run_core_process(config: EngineConfig, conn: Connection, log_level: int) -> None:
@@ -82,7 +83,8 @@ class CoreLoop:
         last_report = time.monotonic()
         while not self.stopping:
             busy = self.core.has_unfinished()
-            if not self._take_messages(timeout=0.0 if busy else IDLE_REPORT_S):
+            wait = (STALLED_WAIT_S if self.core.stalled else 0.0) if busy else IDLE_REPORT_S
+            if not self._take_messages(timeout=wait):
                 return  # the parent is gone
             if self.core.has_unfinished():
                 self._step()

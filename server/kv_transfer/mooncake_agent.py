@@ -17,8 +17,11 @@ with, batches thousands of spans in one call, and switches to RDMA where the NIC
 from __future__ import annotations
 
 import torch
-from pagedserve.server.kv_transfer.params import KVLayout
+from pagedserve.server.kv_transfer.params import KVLayout, block_runs
 
+# Spans per batched read: Mooncake's TCP transport rejects a batch past its queue's length (2,400 spans of
+# a 40-block prompt on 30 layers were refused, "TCP lane queue-full").
+MAX_SPANS_PER_BATCH = 128
 INSTALL_HINT = (
     "prefill/decode disaggregation needs Mooncake's transfer engine: pip install "
     "'pagedserve[pd]' (mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1 librdmacm1"
@@ -70,10 +73,13 @@ class KVTransferAgent:
             raise ValueError("as many local blocks as remote ones")
         if remote.block_bytes != self.layout.block_bytes or len(remote.k_addrs) != len(self.layout.k_addrs):
             raise ValueError("the peer's cache has another shape (layers, block size, heads or dtype)")
-        if not remote_blocks:
-            return 0
-        sources, targets = remote.spans(remote_blocks), self.layout.spans(local_blocks)
-        lengths = [remote.block_bytes] * len(sources)
-        if self.engine.batch_transfer_sync_read(remote.session, targets, sources, lengths) != 0:
-            raise RuntimeError(f"reading {len(remote_blocks)} KV blocks from {remote.session} failed")
+        runs = block_runs(remote_blocks, local_blocks)
+        sources = remote.spans([r for r, _, _ in runs])
+        targets = self.layout.spans([lo for _, lo, _ in runs])
+        lengths = [n * remote.block_bytes for _ in remote.k_addrs for _ in "kv" for _, _, n in runs]
+        for start in range(0, len(sources), MAX_SPANS_PER_BATCH):
+            end = start + MAX_SPANS_PER_BATCH
+            if self.engine.batch_transfer_sync_read(remote.session, targets[start:end], sources[start:end],
+                                                    lengths[start:end]) != 0:
+                raise RuntimeError(f"reading {len(remote_blocks)} KV blocks from {remote.session} failed")
         return sum(lengths)

@@ -33,6 +33,18 @@ class KVLayout:
         return [base + block * self.block_bytes for layer in pairs for base in layer for block in blocks]
 
 
+def block_runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
+    """(remote start, local start, length) of the runs of blocks consecutive on both sides: each run is
+    one span per layer's K and V instead of one per block."""
+    runs: list[list[int]] = []
+    for r, lo in zip(remote, local, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == lo:
+            runs[-1][2] += 1
+        else:
+            runs.append([r, lo, 1])
+    return [(r, lo, n) for r, lo, n in runs]
+
+
 @dataclass(frozen=True)
 class RemoteDecode:
     """A prefill request (``do_remote_decode``): its blocks are kept for a decode engine when it ends."""

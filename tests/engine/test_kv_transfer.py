@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.kv_transfer.config import KVTransferConfig
@@ -148,14 +149,36 @@ def test_params_of_another_prompt_are_not_read(prefill: LLM, decode: LLM, coloca
     assert_no_leak(decode.engine)
 
 
-def test_blocks_no_decode_engine_reads_are_freed_when_their_hold_ends(prefill: LLM) -> None:
-    prefill_params(prefill, [prompt_of(prefill, 40, seed=70)])
+def test_blocks_no_decode_engine_reads_are_freed_when_their_hold_ends(prefill: LLM, decode: LLM,
+                                                                      colocated: LLM) -> None:
+    prompt = prompt_of(prefill, 40, seed=70)
+    (params,) = prefill_params(prefill, [prompt])
     scheduler = prefill.engine.core.scheduler
     assert len(scheduler.connector.held) == 1
     expired = scheduler.connector.num_expired
     time.sleep(HOLD_SECONDS + 0.2)
     scheduler.free_released_kv()
     assert scheduler.connector.num_expired == expired + 1
+    assert_no_leak(prefill.engine)
+    # A late decode engine is told the blocks are gone (they may be reused): it computes the prompt
+    before = decode.engine.stats().kv_transfer
+    assert decoded(decode, [prompt], [params], 6) == colocated_tokens(colocated, [prompt], 6)
+    after = decode.engine.stats().kv_transfer
+    assert after.num_failed == before.num_failed + 1 and after.bytes_received == before.bytes_received
+
+
+def test_held_blocks_make_room_for_new_requests(prefill: LLM) -> None:
+    """More prefills than the pool holds, none read: the oldest holds are given up (their readers would
+    be told so and compute), never a request refused or stalled."""
+    core = prefill.engine.core
+    expired = core.scheduler.connector.num_expired
+    prompts = [prompt_of(prefill, 15 * BLOCK, seed=90 + i) for i in range(8)]
+    assert core.kv.pool.num_blocks < 8 * 15
+    assert all(p is not None for p in prefill_params(prefill, prompts))
+    held = core.scheduler.connector.held
+    assert core.scheduler.connector.num_expired - expired == 8 - len(held) > 0
+    for request_id in list(held):  # released as a decode engine would
+        core.kv.release(held.pop(request_id).blocks)
     assert_no_leak(prefill.engine)
 
 
@@ -168,6 +191,27 @@ def test_an_aborted_or_stopped_prefill_holds_nothing_beyond_its_answer(prefill: 
     for request_id in list(scheduler.connector.held):  # released as a decode engine would
         scheduler.kv.release(scheduler.connector.held.pop(request_id).blocks)
     assert_no_leak(prefill.engine)
+
+
+def test_a_read_copies_exactly_the_named_blocks() -> None:
+    """Two transfer engines in this process: 150 blocks of 3 layers, in runs and alone, more spans than
+    one batch takes; every named block lands where asked and nothing else is written."""
+    from pagedserve.server.kv_transfer.mooncake_agent import MAX_SPANS_PER_BATCH, KVTransferAgent
+
+    shape = (200, 4, 2, 8)
+    source = [(torch.randn(shape), torch.randn(shape)) for _ in range(3)]
+    target = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(3)]
+    owner, reader = KVTransferAgent("127.0.0.1"), KVTransferAgent("127.0.0.1")
+    layout = owner.register(source)
+    reader.register(target)
+    remote = [*range(0, 60), *range(100, 190, 2)]  # a run, then blocks apart
+    local = [*range(140, 200), *range(0, 45)]  # the run stays one (one span a layer's K or V)
+    assert MAX_SPANS_PER_BATCH < 2 * 3 * (1 + 45)
+    assert reader.read_blocks(layout, remote, local) == len(remote) * 2 * 3 * source[0][0][0].numel() * 4
+    untouched = sorted(set(range(200)) - set(local))
+    for (k, v), (k_read, v_read) in zip(source, target, strict=True):
+        assert torch.equal(k_read[local], k[remote]) and torch.equal(v_read[local], v[remote])
+        assert not k_read[untouched].any() and not v_read[untouched].any()
 
 
 # ---------------------------------------------------------------------------------- refusals and parsing
