@@ -68,9 +68,11 @@ def _one_prompt(prompt: Any) -> bool:
 
 def prefill_body(path: str, request: dict[str, Any]) -> bytes:
     """The prefill step's body: the client's, asking for one token, unstreamed, with its KV held for a
-    remote decode."""
+    remote decode. ``min_tokens`` goes: above one it would contradict ``max_tokens`` 1 (a 400), and it
+    changes no logit of the first token but EOS's, which the decode engine's own first token redoes."""
     body = dict(request)
     body.pop("stream_options", None)
+    body.pop("min_tokens", None)
     body.update(kv_transfer_params=dict(_PREFILL_PARAMS), max_tokens=1, stream=False, n=1)
     if path == "/v1/chat/completions" and "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
