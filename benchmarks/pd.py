@@ -28,9 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from pagedserve.testing.processes import ServerProcess, pagedserve_argv, router_process, serve_process
+from pagedserve.testing.prometheus_text import metric_value, scrape
 
 ENGINE_FLAGS = ["--max-model-len", "4096", "--max-num-seqs", "32"]
 STARTUP_TIMEOUT_S = 300
@@ -56,13 +55,9 @@ def bench(url: str, args: argparse.Namespace, out: Path, label: str) -> dict[str
     return json.loads(out.read_text())
 
 
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    values = dict.fromkeys(names, 0.0)
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in values:
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return values
+def sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    text = scrape(url)
+    return {name: metric_value(text, name) for name in names}
 
 
 def run_colocated(args: argparse.Namespace, work: Path, cpus: set[int]) -> dict[str, Any]:
@@ -83,11 +78,11 @@ def run_pd(args: argparse.Namespace, work: Path, cpus: set[int]) -> dict[str, An
                             lifetime_s=3600) as router:
             router.wait_ready(60)
             result = bench(router.url, args, work / "pd.json", "pd")
-            result["decode_engine"] = scrape(dec.url, (
+            result["decode_engine"] = sums(dec.url, (
                 "vllm:kv_transfers_total", "vllm:kv_transfer_failures_total", "vllm:kv_transfer_bytes_total",
                 "vllm:kv_transfer_seconds_total", "vllm:external_prefix_cache_hits_total",
             ))
-            result["router"] = scrape(router.url, ("pagedserve_router_pd_requests_total",
+            result["router"] = sums(router.url, ("pagedserve_router_pd_requests_total",
                                                    "pagedserve_router_pd_fallbacks_total"))
             return result
 

@@ -52,20 +52,24 @@ PY
   echo "tools: installed helm $("$TOOLS_BIN/helm" version --short) into .tools/bin"
 }
 
+# Debian packages, as root (through sudo when not root); without either, says what to install by hand.
+apt_install() {
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    if ! command -v sudo >/dev/null 2>&1; then
+      echo "tools: installing $* needs root (apt-get install $*)" >&2
+      exit 1
+    fi
+    sudo="sudo"
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
 install_prometheus() {
   if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
-    local sudo=""
-    if [ "$(id -u)" != 0 ]; then
-      if command -v sudo >/dev/null 2>&1; then
-        sudo="sudo"
-      else
-        echo "tools: prometheus is missing and installing it needs root (apt-get install prometheus)" >&2
-        exit 1
-      fi
-    fi
-    export DEBIAN_FRONTEND=noninteractive
-    $sudo apt-get update -qq
-    $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt_install prometheus
   fi
   ln -sf "$(command -v prometheus)" "$TOOLS_BIN/prometheus"
   ln -sf "$(command -v promtool)" "$TOOLS_BIN/promtool"
@@ -77,18 +81,7 @@ install_mooncake_libs() {
     echo "tools: libibverbs1 and librdmacm1 present"
     return
   fi
-  local sudo=""
-  if [ "$(id -u)" != 0 ]; then
-    if command -v sudo >/dev/null 2>&1; then
-      sudo="sudo"
-    else
-      echo "tools: installing libibverbs1 and librdmacm1 needs root (apt-get install libibverbs1 librdmacm1)" >&2
-      exit 1
-    fi
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 >/dev/null
+  apt_install libibverbs1 librdmacm1
   echo "tools: installed libibverbs1 and librdmacm1"
 }
 

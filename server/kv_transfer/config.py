@@ -8,9 +8,10 @@ acts per request, as vLLM's P/D connectors do: a request whose ``kv_transfer_par
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from pagedserve.common.engine_args import json_object
 
 CONNECTORS = ("MooncakeConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -31,19 +32,10 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
         """A config from vLLM's dict or its JSON text (as ``--kv-transfer-config`` gives it)."""
-        if value is None or isinstance(value, KVTransferConfig):
+        if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"kv_transfer_config: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        parsed = json_object("kv_transfer_config", value, [f.name for f in fields(cls)])
+        return cls(**parsed) if parsed is not None else None
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:

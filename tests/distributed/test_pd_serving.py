@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from pagedserve.testing.processes import ServerProcess, float_model_args, router_process, serve_process
+from pagedserve.testing.prometheus_text import metric_value, scrape
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (pagedserve[pd])",
                     exc_type=ImportError)
@@ -111,25 +111,10 @@ async def answer_all(base: str, requests: list[tuple[str, dict[str, Any]]]) -> l
         return await asyncio.gather(*(one(path, body) for path, body in requests))
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, by its name and labels as written."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    samples = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
-
-
-def total(samples: dict[str, float], name: str) -> float:
-    """A family's sum over its label sets."""
-    return sum(value for key, value in samples.items() if key == name or key.startswith(name + "{"))
-
-
-def computed_prompt_tokens(samples: dict[str, float]) -> float:
-    return (total(samples, "vllm:prompt_tokens_total") - total(samples, "vllm:prefix_cache_hits_total")
-            - total(samples, "vllm:external_prefix_cache_hits_total"))
+def computed_prompt_tokens(text: str) -> float:
+    prompt = metric_value(text, "vllm:prompt_tokens_total")
+    return (prompt - metric_value(text, "vllm:prefix_cache_hits_total")
+            - metric_value(text, "vllm:external_prefix_cache_hits_total"))
 
 
 def model_name(server: ServerProcess) -> str:
@@ -141,22 +126,22 @@ def test_pd_pair_answers_100_mixed_requests_as_one_colocated_engine(
 ) -> None:
     requests = mixed_requests(model_name(engines["decode"]), "alpha")
     expected = asyncio.run(answer_all(engines["colocated"].url, requests))
-    decode_before = metrics(engines["decode"].url)
+    decode_before = scrape(engines["decode"].url)
     with pd_router(tmp_path / "router.log", engines) as router:
         router.wait_ready(60)
         got = asyncio.run(answer_all(router.url, requests))
-        routed = metrics(router.url)
+        routed = scrape(router.url)
     assert got == expected
-    decode_after = metrics(engines["decode"].url)
-    assert total(routed, "pagedserve_router_pd_requests_total") == NUM_REQUESTS
-    assert total(routed, "pagedserve_router_pd_fallbacks_total") == 0
-    read = total(decode_after, "vllm:kv_transfers_total") - total(decode_before, "vllm:kv_transfers_total")
-    assert read == NUM_REQUESTS
-    assert total(decode_after, "vllm:kv_transfer_failures_total") == 0
+    decode_after = scrape(engines["decode"].url)
+    assert metric_value(routed, "pagedserve_router_pd_requests_total") == NUM_REQUESTS
+    assert metric_value(routed, "pagedserve_router_pd_fallbacks_total") == 0
+    reads = "vllm:kv_transfers_total"
+    assert metric_value(decode_after, reads) - metric_value(decode_before, reads) == NUM_REQUESTS
+    assert metric_value(decode_after, "vllm:kv_transfer_failures_total") == 0
     # Every prompt token came from the prefill engine (or the decode engine's own cache) but the last.
     computed = computed_prompt_tokens(decode_after) - computed_prompt_tokens(decode_before)
     assert computed == NUM_REQUESTS
-    assert total(decode_after, "vllm:kv_transfer_bytes_total") > 0
+    assert metric_value(decode_after, "vllm:kv_transfer_bytes_total") > 0
 
 
 def test_a_prefill_engine_killed_mid_load_loses_no_request(
@@ -169,14 +154,14 @@ def test_a_prefill_engine_killed_mid_load_loses_no_request(
 
         async def load_and_kill() -> list[str]:
             answers = asyncio.ensure_future(answer_all(router.url, requests))
-            while total(metrics(router.url), "pagedserve_router_pd_requests_total") < NUM_REQUESTS // 4:
+            while metric_value(scrape(router.url), "pagedserve_router_pd_requests_total") < NUM_REQUESTS // 4:
                 await asyncio.sleep(0.1)
             engines["prefill"].kill()
             return await answers
 
         got = asyncio.run(load_and_kill())
-        routed = metrics(router.url)
+        routed = scrape(router.url)
     assert got == expected
-    assert total(routed, "pagedserve_router_pd_fallbacks_total") > 0
-    decode = metrics(engines["decode"].url)
-    assert total(decode, "vllm:num_requests_running") == 0
+    assert metric_value(routed, "pagedserve_router_pd_fallbacks_total") > 0
+    decode = scrape(engines["decode"].url)
+    assert metric_value(decode, "vllm:num_requests_running") == 0

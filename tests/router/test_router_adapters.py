@@ -24,6 +24,7 @@ from pagedserve.router.proxy import RouterApp, RouterConfig
 
 from pagedserve.testing.fake_openai import FakeOpenAI, wait_router_polled
 from pagedserve.testing.net import wait_until
+from pagedserve.testing.prometheus_text import metric_value
 from pagedserve.testing.server_thread import ServerThread
 
 BASE_MODEL = "m"
@@ -36,15 +37,6 @@ PLACEMENT = {
     "chat-de": (1, 2),
     "code": (0, 2),
 }
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def chat(model: str, tenant: int, user: int = 0) -> dict:

@@ -15,6 +15,7 @@ import pytest
 from pagedserve.router.proxy import RouterApp, RouterConfig
 
 from pagedserve.testing.fake_openai import FakeOpenAI, wait_router_polled
+from pagedserve.testing.prometheus_text import metric_value
 from pagedserve.testing.server_thread import ServerThread
 
 SYSTEM = "You are the assistant of tenant {t}. Follow the house rules: be brief, be kind, cite sources. " * 3
@@ -109,15 +110,6 @@ def pd_fleet(tiny_tokenizer):
     yield make
     for f in fleets:
         f.close()
-
-
-def metric_value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def wait_metric(f: PDFleet, name: str, value: float, timeout: float = 10, **labels) -> None:

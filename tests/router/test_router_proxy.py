@@ -14,6 +14,7 @@ from pagedserve.router.proxy import RouterApp, RouterConfig
 from pagedserve.testing.fake_openai import FakeOpenAI, wait_router_polled
 from pagedserve.testing.net import free_port
 from pagedserve.testing.processes import ServerProcess, fake_openai_process
+from pagedserve.testing.prometheus_text import metric_value
 from pagedserve.testing.server_thread import ServerThread
 
 SYSTEM = "You are the assistant of tenant {t}. Follow the house rules: be brief, be kind, cite sources. " * 3
@@ -73,19 +74,6 @@ def fleet(tiny_tokenizer):
     yield make
     for f in fleets:
         f.close()
-
-
-def metric_value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def test_same_prefix_same_replica_and_tenants_spread(fleet):
