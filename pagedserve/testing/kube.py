@@ -8,6 +8,9 @@
   ``make manifests``), applied as the API server does: defaulting, the structural schema (unknown fields
   rejected, x-kubernetes-int-or-string, x-kubernetes-preserve-unknown-fields) and the CEL
   ``x-kubernetes-validations`` rules, evaluated with cel-python.
+- LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, rendered for ``spec.nodes > 1``): the same way, against
+  LWS's own CRD, vendored in vendor/lws/ from kubernetes-sigs/lws; its pod templates also against
+  Kubernetes' PodTemplate schema of each minor.
 - Prometheus Operator kinds (PodMonitor, ServiceMonitor, PrometheusRule): the JSON schemas of the
   pydantic models that PyPI ``cloudcoil-models-prometheus-operator`` generates from the official CRDs,
   made strict here (those models ignore unknown fields; the API server with strict field validation
@@ -98,51 +101,6 @@ def builtin_validator(api_version: str, kind: str, minor: str) -> jsonschema.Dra
 def builtin_errors(manifest: dict[str, Any], minor: str) -> list[str]:
     validator = builtin_validator(manifest.get("apiVersion", ""), manifest.get("kind", ""), minor)
     return sorted(describe(error) for error in validator.iter_errors(manifest))
-
-
-# -- LeaderWorkerSet --------------------------------------------------------------------------------
-
-LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
-# The LeaderWorkerSet fields the operator writes, as LWS v1 defines them (its Go API,
-# api/leaderworkerset/v1/leaderworkerset_types.go in kubernetes-sigs/lws): no registry reachable here
-# ships its CRD, so this is written from that definition, and the pod templates inside are checked against
-# Kubernetes' own PodTemplateSpec schema.
-_LWS_SPEC = {
-    "type": "object",
-    "required": ["leaderWorkerTemplate"],
-    "additionalProperties": False,
-    "properties": {
-        "replicas": {"type": "integer", "minimum": 0},
-        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-        "leaderWorkerTemplate": {
-            "type": "object",
-            "required": ["workerTemplate"],
-            "additionalProperties": False,
-            "properties": {
-                "size": {"type": "integer", "minimum": 1},
-                "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
-                "leaderTemplate": {"type": "object"},
-                "workerTemplate": {"type": "object"},
-            },
-        },
-    },
-}
-
-
-def lws_errors(manifest: dict[str, Any], minor: str) -> list[str]:
-    """A LeaderWorkerSet's envelope against ``_LWS_SPEC``, each pod template as a v1 PodTemplate."""
-    validator = jsonschema.Draft202012Validator(_LWS_SPEC)
-    spec = manifest.get("spec") or {}
-    # describe() names the spec's own level <root>: the API server would say spec
-    problems = [f"spec.{describe(e)}".replace("spec.<root>", "spec") for e in validator.iter_errors(spec)]
-    templates = spec.get("leaderWorkerTemplate") or {}
-    for role in ("leaderTemplate", "workerTemplate"):
-        if role in templates:
-            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                       "template": templates[role]}
-            problems += [f"spec.leaderWorkerTemplate.{role}.{p.removeprefix('template.')}"
-                         for p in builtin_errors(wrapped, minor)]
-    return sorted(problems)
 
 
 # -- Prometheus Operator kinds ------------------------------------------------------------------------
@@ -330,7 +288,8 @@ def cel_errors(schema: dict[str, Any], value: Any, old: Any = None, path: str = 
 
 
 def load_crd(path: Path = CRD_PATH) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+    # LibYAML where PyYAML has it: LWS's CRD is 1.3 MB, seconds for the pure-Python loader
+    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 class CRDSchema:
@@ -357,6 +316,13 @@ class CRDSchema:
         return sorted(problems)
 
 
+def custom_errors(schema: CRDSchema, manifest: dict[str, Any]) -> list[str]:
+    """A custom resource as the API server checks it on create. A CRD's root metadata is only
+    `type: object` (the API server checks ObjectMeta itself): only metadata.name is checked here."""
+    named = isinstance(manifest.get("metadata"), dict) and manifest["metadata"].get("name")
+    return ([] if named else ["metadata.name: Required value"]) + schema.errors(manifest)
+
+
 @functools.cache
 def modeldeployment_schema() -> CRDSchema:
     return CRDSchema(load_crd())
@@ -376,6 +342,36 @@ def chart_crd_schemas() -> dict[tuple[str, str], CRDSchema]:
     return found
 
 
+# -- LeaderWorkerSet: LWS's own CRD -----------------------------------------------------------------
+
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# LWS's CRD, vendored from kubernetes-sigs/lws (provenance and license in vendor/lws/README.md): no registry
+# reachable here ships it.
+LWS_CRD_PATH = Path(__file__).resolve().parent / "vendor/lws/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+
+
+@functools.cache
+def lws_schema() -> CRDSchema:
+    return CRDSchema(load_crd(LWS_CRD_PATH), "v1")
+
+
+def lws_errors(manifest: dict[str, Any], minor: str) -> list[str]:
+    """A LeaderWorkerSet as an API server with LWS's CRD installed checks it (``custom_errors``: defaults,
+    the structural schema with unknown fields rejected, CEL rules), and each pod template again as a v1
+    PodTemplate of ``minor``: the CRD embeds the PodTemplateSpec of the Kubernetes release LWS was built
+    against, which may serve fields an older minor does not. LWS's validating webhook (size >= 1, the
+    subgroup rules) is not modelled."""
+    problems = custom_errors(lws_schema(), manifest)
+    templates = (manifest.get("spec") or {}).get("leaderWorkerTemplate") or {}
+    for role in ("leaderTemplate", "workerTemplate"):
+        if isinstance(templates, dict) and role in templates:
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                       "template": templates[role]}
+            problems += [f"spec.leaderWorkerTemplate.{role}.{p.removeprefix('template.')}"
+                         for p in builtin_errors(wrapped, minor)]
+    return sorted(set(problems))
+
+
 # -- one entry point -------------------------------------------------------------------------------
 
 
@@ -384,9 +380,7 @@ def errors(manifest: dict[str, Any], minor: str) -> list[str]:
     api_version, kind = manifest.get("apiVersion", ""), manifest.get("kind", "")
     custom = chart_crd_schemas().get((api_version, kind))
     if custom is not None:
-        # A CRD's root metadata is only `type: object` (the API server checks ObjectMeta itself).
-        named = isinstance(manifest.get("metadata"), dict) and manifest["metadata"].get("name")
-        return ([] if named else ["metadata.name: Required value"]) + custom.errors(manifest)
+        return custom_errors(custom, manifest)
     if api_version == PMO_API_VERSION and kind in PMO_KINDS:
         return sorted(describe(error) for error in pmo_validator(kind).iter_errors(manifest))
     if api_version == KEDA_API_VERSION and kind in KEDA_KINDS:
