@@ -27,6 +27,7 @@ from pagedserve.operator.handlers import PEERING_LIFETIME_S
 from pagedserve.testing import helm as chart
 from pagedserve.testing import kube_assets, pods, test_node
 from pagedserve.testing.controlplane import ControlPlane
+from pagedserve.testing.kube import KUBERNETES_MINORS, LWS_CRD_PATH, errors
 from pagedserve.testing.net import wait_until
 from pagedserve.testing.processes import DEMO_ANSWER
 
@@ -251,6 +252,86 @@ def test_bad_modeldeployments_are_rejected_with_the_crds_messages(
     assert result.returncode != 0, result.stdout
     assert message in result.stderr, result.stderr
     assert cluster.kubectl("get", "md", "bad", "-n", "default", check=False).returncode != 0
+
+
+# --- 3b. spec.nodes 2: a LeaderWorkerSet, under LWS's own CRD (no LWS controller) --------------------
+
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+MULTI_NODE = "multi-node"
+# what the API server says of each break, with LWS's CRD installed
+BROKEN_LWS = [
+    ("sizee", 2, 'unknown field "spec.leaderWorkerTemplate.sizee"'),
+    ("size", "two", 'spec.leaderWorkerTemplate.size: Invalid value: "string"'),
+    ("restartPolicy", "Always", 'spec.leaderWorkerTemplate.restartPolicy: Unsupported value: "Always"'),
+]
+
+
+def md_conditions(cluster: Cluster, name: str) -> dict[str, dict[str, Any]]:
+    md = cluster.get("md", name, "-n", NAMESPACE)
+    return {c["type"]: c for c in (md.get("status") or {}).get("conditions", [])}
+
+
+def test_nodes_2_is_a_leaderworkerset_under_lws_crd(
+    cluster: Cluster, release: str, app_namespace: str
+) -> None:
+    """Without LWS's CRD the operator reports the LeaderWorkerSet it cannot write; with the CRD installed
+    (the one vendored in pagedserve/testing/vendor/lws, as LWS's own install puts it) the API server accepts
+    the operator's LeaderWorkerSet under that schema (a server-side apply refuses unknown fields), and the
+    status reports the engine group not ready: no LWS controller runs here to create its pods."""
+    manifest = modeldeployment(nodes=2, pipelineParallelSize=2)
+    manifest["metadata"]["name"] = MULTI_NODE
+    cluster.apply(manifest)
+    engine = (f"{MULTI_NODE}-engine", "-n", NAMESPACE)
+    wait_until(
+        lambda: md_conditions(cluster, MULTI_NODE).get("Reconciled", {}).get("status") == "False",
+        OPERATOR_WRITES_S,
+        "the missing LeaderWorkerSet API in the status",
+    )
+    reconciled = md_conditions(cluster, MULTI_NODE)["Reconciled"]
+    assert f"LeaderWorkerSet/{MULTI_NODE}-engine" in reconciled["message"], reconciled
+
+    # 1.3 MB: too large for client-side apply's last-applied annotation, as LWS's install notes say
+    cluster.kubectl("apply", "--server-side", "-f", str(LWS_CRD_PATH))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{LWS_CRD}", "--timeout=60s")
+    # the operator's retry (15 s) or its resync (60 s) writes it
+    wait_until(
+        lambda: cluster.kubectl("get", "leaderworkerset", *engine, check=False).returncode == 0,
+        OPERATOR_WRITES_S + 60,
+        "the LeaderWorkerSet",
+    )
+    lws = cluster.get("leaderworkerset", *engine)
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert (lws["spec"]["replicas"], group["size"]) == (1, 2)
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    (owner,) = lws["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("ModelDeployment", MULTI_NODE, True)
+    wait_until(
+        lambda: md_conditions(cluster, MULTI_NODE)["Reconciled"]["status"] == "True",
+        OPERATOR_WRITES_S,
+        "Reconciled once the CRD is there",
+    )
+    conditions = md_conditions(cluster, MULTI_NODE)
+    assert conditions["EngineReady"]["status"] == "False", conditions
+    assert conditions["EngineReady"]["message"] == "0/1 engine replicas ready", conditions
+    selector = f"app.kubernetes.io/instance={MULTI_NODE},app.kubernetes.io/component=engine"
+    assert cluster.pods(NAMESPACE, selector) == []  # no LWS controller, no group pods
+
+    # the API server and pagedserve/testing/kube.py refuse the same broken LeaderWorkerSets
+    base = {"apiVersion": lws["apiVersion"], "kind": lws["kind"], "spec": lws["spec"],
+            "metadata": {"name": "broken", "namespace": NAMESPACE}}
+    for field, value, message in BROKEN_LWS:
+        broken = copy.deepcopy(base)
+        broken["spec"]["leaderWorkerTemplate"][field] = value
+        assert any(field in e for e in errors(broken, KUBERNETES_MINORS[-1])), field
+        refused = cluster.apply(broken, "--dry-run=server", "--validate=strict", check=False)
+        assert refused.returncode != 0 and message in refused.stderr, refused.stderr
+
+    cluster.kubectl("delete", "md", MULTI_NODE, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+    wait_until(
+        lambda: cluster.kubectl("get", "leaderworkerset", *engine, check=False).returncode != 0,
+        120,
+        "the LeaderWorkerSet collected",
+    )
 
 
 # --- 4. scale, spec edits, status and printer columns ------------------------------------------------
