@@ -109,8 +109,9 @@ class EngineConfig(EngineArgs):
             "enable_lora (LoRA adapters)": self.enable_lora,
             f"quantization {self.quantization!r}": self.quantization is not None,
             f"kv_cache_dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype != "auto",
-            # Each rank would read its own shard from its peer rank: the layouts are not gathered yet.
-            "kv_transfer_config (prefill/decode disaggregation)": self.kv_transfer_config is not None,
+            # Every rank registers its cache on kv_ip: one address, so one machine.
+            "kv_transfer_config (prefill/decode disaggregation) across nodes":
+                self.kv_transfer_config is not None and self.nnodes > 1,
             f"device {self.device!r} (rank r runs on cuda:r: use 'cuda' or 'auto')":
                 self.device.startswith("cuda:"),
         }

@@ -49,9 +49,10 @@ class HeldBlocks:
 
 
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, layouts: tuple[KVLayout, ...], block_size: int) -> None:
+        """``layouts``: each rank's registered cache, in rank order (server/executor/executor.py)."""
         self.config = config
-        self.layout = layout
+        self.layouts = layouts
         self.block_size = block_size
         self.listener = ReleaseListener(config.kv_ip, config.kv_port, self._acquire) if config.produces \
             else None
@@ -76,7 +77,7 @@ class KVConnector:
             request_id=request.request_id,
             block_ids=tuple(b.block_id for b in blocks),
             num_tokens=request.num_prompt_tokens,
-            layout=self.layout,
+            layouts=self.layouts,
             side_channel=self.listener.address,
         ).as_params()
 

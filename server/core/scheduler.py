@@ -249,7 +249,7 @@ class Scheduler:
                 result: int | Exception = read(load)
             except Exception as exc:
                 logger.warning("reading request %s's KV from %s failed (%s): computing its prompt here",
-                               request.request_id, load.source.layout.session, exc)
+                               request.request_id, load.source.side_channel, exc)
                 result = exc
             self.connector.loaded(load, result, time.perf_counter() - start)
             if isinstance(result, Exception):

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-CommandKind = Literal["forward", "logits", "copy_kv", "kv_budget", "setup", "stop"]
+CommandKind = Literal["forward", "logits", "copy_kv", "kv_budget", "setup", "kv_transfer", "read_kv", "stop"]
 
 
 @dataclass
@@ -21,7 +21,9 @@ class Command:
     hidden rows ``[shape]`` of ``dtype`` follow as one tensor broadcast; every rank computes its vocab
     slice and gathers it to rank 0. ``kv_budget`` (CUDA, at start): profile and agree on the KV bytes
     (``inputs``: server/executor/tp_worker.py ``KVBudgetRequest``). ``setup``: allocate the KV cache
-    (``inputs``: ``RunnerSetup``). ``stop``: leave the loop."""
+    (``inputs``: ``RunnerSetup``). ``kv_transfer``: register the cache with a transfer engine on host
+    ``inputs`` and gather the layouts. ``read_kv``: read a prefill engine's blocks (``inputs``:
+    server/kv_transfer/mooncake_agent.py ``RemoteRead``) and gather the results. ``stop``: leave the loop."""
 
     kind: CommandKind
     inputs: Any = None

@@ -54,7 +54,7 @@ class EngineCore:
         )
         max_loras = config.max_loras if executor.lora is not None else 0
         transfer = config.kv_transfer_config  # prefill/decode disaggregation (server/core/kv_connector.py)
-        connector = KVConnector(transfer, executor.kv_layout, config.block_size) if transfer else None
+        connector = KVConnector(transfer, executor.kv_layouts, config.block_size) if transfer else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras,
                                    config.max_model_len or 0, connector)
         self._check_unloaded = False  # an adapter was unloaded: fail the requests still waiting for it

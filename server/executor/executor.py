@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from pagedserve.server.core.kv_connector import RemoteLoad
     from pagedserve.server.executor.tp_driver import TPDriver
     from pagedserve.server.executor.tp_worker import WorkerSpec
+    from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent
+    from pagedserve.server.kv_transfer.params import KVLayout
     from pagedserve.server.lora.manager import LoRAManager
     from pagedserve.server.lora.peft import AdapterWeights
 
@@ -166,16 +168,18 @@ class Executor:
     def _start_kv_transfer(self) -> None:
         """Prefill/decode disaggregation's worker side: the KV cache registered with the transfer engine,
         whose layout a prefill engine publishes and into which a decode engine reads (server/kv_transfer/)."""
-        self.kv_agent, self.kv_layout = None, None
+        self.kv_agent: KVTransferAgent | None = None
+        self.kv_layouts: tuple[KVLayout, ...] = ()  # every rank's, in rank order
         transfer = self.config.kv_transfer_config
         if transfer is None:
             return
-        from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent
+        from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent, kv_caches
 
+        if self.ranks is not None:
+            self.ranks.start_kv_transfer(transfer.kv_ip)
         self.kv_agent = KVTransferAgent(transfer.kv_ip)
-        self.kv_layout = self.kv_agent.register(
-            [(layer.k_cache, layer.v_cache) for layer in self.model.attention_layers()]
-        )
+        own = self.kv_agent.register(kv_caches(self.model))
+        self.kv_layouts = tuple(self.ranks.gather(own)) if self.ranks is not None else (own,)
 
     def _kv_layers(self) -> list[torch.nn.Module]:
         """Every attention layer with a cache of the shared blocks: the target's, then the drafter's (so a
@@ -291,9 +295,23 @@ class Executor:
         return self.runner.launch(plan.scheduled, block_ids, active_loras, plan.kv_transfers, previous)
 
     def read_remote_kv(self, load: RemoteLoad) -> int:
-        """A decode request's prompt blocks, read from its prefill engine's cache; the bytes read."""
+        """A decode request's prompt blocks, read from its prefill engine's cache, each rank from the prefill
+        engine's rank of its number; the bytes read. RuntimeError (the caller computes the prompt instead)
+        when a rank's read failed, ValueError when the engines are split differently."""
+        from pagedserve.server.kv_transfer.mooncake_agent import RemoteRead
+
         assert self.kv_agent is not None, "no kv_transfer_config"
-        return self.kv_agent.read_blocks(load.source.layout, load.remote_blocks, load.local_blocks)
+        if len(load.source.layouts) != len(self.kv_layouts):
+            raise ValueError(f"the prefill engine has {len(load.source.layouts)} ranks, this one "
+                             f"{len(self.kv_layouts)}: both must split the model alike")
+        read = RemoteRead(load.source.layouts, load.remote_blocks, load.local_blocks)
+        if self.ranks is not None:
+            self.ranks.read_kv(read)
+        own = self.kv_agent.read(read, rank=0)
+        results = self.ranks.gather(own) if self.ranks is not None else [own]
+        if errors := [result for result in results if isinstance(result, str)]:
+            raise RuntimeError("; ".join(errors))
+        return sum(results)
 
     def copy_kv_blocks(self, plan: SchedulerOutput) -> None:
         """A step that runs nothing still applies its host-tier copies (none in practice)."""

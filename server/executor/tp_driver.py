@@ -110,6 +110,20 @@ class TPDriver:
     def setup(self, setup: RunnerSetup) -> None:
         self._send(Command("setup", inputs=setup))
 
+    def start_kv_transfer(self, host: str) -> None:
+        """The other ranks register their caches with transfer engines on ``host``; ``gather`` follows."""
+        self._send(Command("kv_transfer", inputs=host))
+
+    def read_kv(self, read: Any) -> None:
+        """The other ranks read their part of a prefill engine's blocks; ``gather`` follows."""
+        self._send(Command("read_kv", inputs=read))
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's answer to the last command, rank 0's ``value`` first."""
+        values: list[Any] = [None] * self.spec.size
+        dist.all_gather_object(values, value)
+        return values
+
     def _send(self, command: Command) -> None:
         self.check_alive()
         try:

@@ -175,6 +175,7 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel, stage: PipelineStage
                           runner=spec.runner, load_format=spec.load_format)
     logger.info("%s of %d loaded its shard on %s", spec.describe(rank), spec.size, device)
     runner: ModelRunner | None = None
+    agent = None  # prefill/decode disaggregation's transfer engine (server/kv_transfer/mooncake_agent.py)
     while True:
         command = receive_command()
         if command.kind == "stop":
@@ -193,6 +194,14 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel, stage: PipelineStage
             runner.copy_kv_shard(command.inputs)
         elif command.kind == "kv_budget":
             kv_budget(model, command.inputs)
+        elif command.kind == "kv_transfer":
+            from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent, kv_caches
+
+            agent = KVTransferAgent(command.inputs)
+            dist.all_gather_object([None] * spec.size, agent.register(kv_caches(model)))
+        elif command.kind == "read_kv":
+            assert agent is not None, "a KV read before the transfer engine started"
+            dist.all_gather_object([None] * spec.size, agent.read(command.inputs, rank))
         elif command.kind == "setup":
             setup: RunnerSetup = command.inputs
             layer = model.attention_layers()[0]

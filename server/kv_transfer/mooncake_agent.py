@@ -16,6 +16,8 @@ with, batches thousands of spans in one call, and switches to RDMA where the NIC
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from pagedserve.server.kv_transfer.params import KVLayout, block_runs
 
@@ -26,6 +28,21 @@ INSTALL_HINT = (
     "prefill/decode disaggregation needs Mooncake's transfer engine: pip install "
     "'pagedserve[pd]' (mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1 librdmacm1"
 )
+
+
+@dataclass(frozen=True)
+class RemoteRead:
+    """One request's read, as every rank takes it (sent whole to the other ranks): rank r reads the same
+    blocks from the prefill engine's rank r (``layouts[r]``)."""
+
+    layouts: tuple[KVLayout, ...]
+    remote_blocks: list[int]
+    local_blocks: list[int]
+
+
+def kv_caches(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (K, V) cache of each of its attention layers (its stage's, under pipeline parallelism)."""
+    return [(layer.k_cache, layer.v_cache) for layer in model.attention_layers()]
 
 
 class KVTransferAgent:
@@ -63,6 +80,14 @@ class KVTransferAgent:
             block_bytes=block_bytes,
         )
         return self.layout
+
+    def read(self, read: RemoteRead, rank: int) -> int | str:
+        """Rank ``rank``'s part of a read: the bytes, or why it failed, as a message (every rank goes on to
+        the gather that follows, failed or not)."""
+        try:
+            return self.read_blocks(read.layouts[rank], read.remote_blocks, read.local_blocks)
+        except (RuntimeError, ValueError) as exc:
+            return f"rank {rank}: {exc}"
 
     def read_blocks(self, remote: KVLayout, remote_blocks: list[int], local_blocks: list[int]) -> int:
         """Copy the peer's ``remote_blocks`` into this engine's ``local_blocks``, every layer's K and V;

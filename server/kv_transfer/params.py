@@ -4,10 +4,12 @@ vLLM's P/D shape (its NIXL and Mooncake connectors), parsed and checked once by 
 
 The router (router/proxy.py, ``--strategy pd``) sends the prompt to a prefill engine with
 ``{"do_remote_decode": true}`` and ``max_tokens`` 1; that engine keeps the prompt's blocks and answers
-``RemotePrefill.as_params()``: where its blocks are (its transfer engine's session, each layer's K and V
-addresses, the block ids) and where to say they were read (its side channel). The router hands that to a
-decode engine with the client's own request, and the decode engine reads the blocks instead of computing
-the prompt (server/kv_transfer/connector.py).
+``RemotePrefill.as_params()``: where its blocks are (per rank: its transfer engine's session and each
+layer's K and V addresses; the block ids, the same on every rank) and where to say they were read (its
+side channel). Under tensor or pipeline parallelism each decode rank reads from the prefill rank of the
+same number, which holds the same layers and heads when both engines split the model alike. The router
+hands that to a decode engine with the client's own request, and the decode engine reads the blocks
+instead of computing the prompt (server/core/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class RemotePrefill:
     request_id: str  # the prefill engine's request, named when its blocks are released
     block_ids: tuple[int, ...]  # the prompt's blocks there, in order
     num_tokens: int  # the prompt's length there: a decode request with another prompt reads nothing
-    layout: KVLayout
+    layouts: tuple[KVLayout, ...]  # each rank's cache there, in rank order
     side_channel: str  # "host:port" where the prefill engine hears that its blocks were read
 
     def as_params(self) -> dict[str, Any]:
@@ -70,10 +72,11 @@ class RemotePrefill:
             "remote_num_tokens": self.num_tokens,
             "remote_host": host,
             "remote_port": int(port),
-            "remote_session": self.layout.session,
-            "remote_k_addrs": list(self.layout.k_addrs),
-            "remote_v_addrs": list(self.layout.v_addrs),
-            "remote_block_bytes": self.layout.block_bytes,
+            "remote_ranks": [
+                {"session": layout.session, "k_addrs": list(layout.k_addrs), "v_addrs": list(layout.v_addrs),
+                 "block_bytes": layout.block_bytes}
+                for layout in self.layouts
+            ],
         }
 
 
@@ -95,23 +98,26 @@ def parse_kv_transfer_params(params: Any) -> KVTransfer | None:
     if not prefill:
         return None
     try:
-        layout = KVLayout(
-            session=_text(params, "remote_session"),
-            k_addrs=_ints(params, "remote_k_addrs"),
-            v_addrs=_ints(params, "remote_v_addrs"),
-            block_bytes=_int(params, "remote_block_bytes"),
-        )
-        if len(layout.k_addrs) != len(layout.v_addrs) or not layout.k_addrs:
-            raise _invalid("remote_k_addrs and remote_v_addrs must name the same layers")
+        ranks = params["remote_ranks"]
+        if not isinstance(ranks, list) or not ranks or not all(isinstance(rank, dict) for rank in ranks):
+            raise _invalid("remote_ranks must be a list of objects, one per rank")
         return RemotePrefill(
             request_id=_text(params, "remote_request_id"),
             block_ids=_ints(params, "remote_block_ids"),
             num_tokens=_int(params, "remote_num_tokens"),
-            layout=layout,
+            layouts=tuple(_layout(rank) for rank in ranks),
             side_channel=f"{_text(params, 'remote_host')}:{_int(params, 'remote_port')}",
         )
     except KeyError as exc:
         raise _invalid(f"do_remote_prefill needs {exc.args[0]}") from None
+
+
+def _layout(rank: dict[str, Any]) -> KVLayout:
+    layout = KVLayout(session=_text(rank, "session"), k_addrs=_ints(rank, "k_addrs"),
+                      v_addrs=_ints(rank, "v_addrs"), block_bytes=_int(rank, "block_bytes"))
+    if len(layout.k_addrs) != len(layout.v_addrs) or not layout.k_addrs:
+        raise _invalid("each of remote_ranks must name the same layers in k_addrs and v_addrs")
+    return layout
 
 
 def _invalid(why: str) -> InvalidRequestError:

@@ -33,12 +33,15 @@ def test_upstream_bases_are_pinned_by_digest() -> None:
 def test_extras_are_the_projects() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     s = stages()
-    assert "requirements.py pyproject.toml server > /requirements/server.txt" in s["wheel"]
+    # The engine image carries prefill/decode disaggregation's transfer engine too (the [pd] extra).
+    assert "requirements.py pyproject.toml server pd > /requirements/server.txt" in s["wheel"]
     assert "requirements.py pyproject.toml router operator > /requirements/control.txt" in s["wheel"]
     assert "COPY --from=wheel /requirements/server.txt /build/requirements.txt" in s["server"]
     assert "COPY --from=wheel /requirements/control.txt /build/requirements.txt" in s["control"]
     assert {"torch", "triton"} <= {re.split(r"[<>=;\[ ]", d)[0] for d in extras["server"]}
     assert not any(d.startswith("torch") for d in extras["router"] + extras["operator"])
+    assert {re.split(r"[<>=;\[ ]", d)[0] for d in extras["pd"]} == {"mooncake-transfer-engine-non-cuda"}
+    assert "libibverbs1 librdmacm1" in s["server"]  # the libraries its transfer engine links
     assert "torch must not be in the control image" in s["control"]
 
 

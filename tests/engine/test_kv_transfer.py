@@ -131,7 +131,8 @@ def test_a_failed_read_computes_the_prompt_on_the_decode_engine(prefill: LLM, de
                                                                  colocated: LLM) -> None:
     prompt = prompt_of(decode, 2 * BLOCK + 3, seed=50)
     (params,) = prefill_params(prefill, [prompt])
-    gone = {**params, "remote_session": "127.0.0.1:1"}  # nothing listens there: the read fails at once
+    # Nothing listens at the transfer session: the read fails at once (the side channel still answers)
+    gone = {**params, "remote_ranks": [{**params["remote_ranks"][0], "session": "127.0.0.1:1"}]}
     failed = decode.engine.stats().kv_transfer.num_failed
     assert decoded(decode, [prompt], [gone], 8) == colocated_tokens(colocated, [prompt], 8)
     assert decode.engine.stats().kv_transfer.num_failed == failed + 1
@@ -219,12 +220,16 @@ def test_malformed_params_are_a_clear_error(decode: LLM) -> None:
     prompt = {"prompt_token_ids": [1, 2, 3]}
     cases = {
         "must be an object": [1, 2],
-        "do_remote_prefill needs remote_session": {"do_remote_prefill": True},
+        "do_remote_prefill needs remote_ranks": {"do_remote_prefill": True},
         "cannot both be true": {"do_remote_prefill": True, "do_remote_decode": True},
         "remote_block_ids must be a list of non-negative integers": {
-            "do_remote_prefill": True, "remote_block_ids": [-1], "remote_session": "h:1",
-            "remote_request_id": "r",
-            "remote_k_addrs": [1], "remote_v_addrs": [2], "remote_block_bytes": 4,
+            "do_remote_prefill": True, "remote_block_ids": [-1], "remote_request_id": "r",
+            "remote_ranks": [{"session": "h:1", "k_addrs": [1], "v_addrs": [2], "block_bytes": 4}],
+        },
+        "must name the same layers": {
+            "do_remote_prefill": True, "remote_block_ids": [1], "remote_request_id": "r",
+            "remote_num_tokens": 3,
+            "remote_ranks": [{"session": "h:1", "k_addrs": [1, 3], "v_addrs": [2], "block_bytes": 4}],
         },
     }
     for message, params in cases.items():
@@ -257,6 +262,6 @@ def test_bad_kv_transfer_configs_are_refused(config: str, message: str) -> None:
         KVTransferConfig.parse(config)
 
 
-def test_what_does_not_split_yet_is_refused_with_a_connector() -> None:
-    with pytest.raises(ValueError, match="does not support kv_transfer_config"):
-        EngineConfig(kv_transfer_config="{}", tensor_parallel_size=2)
+def test_a_connector_across_nodes_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"does not support kv_transfer_config .* across nodes"):
+        EngineConfig(kv_transfer_config="{}", tensor_parallel_size=2, nnodes=2, master_port=29500)
