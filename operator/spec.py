@@ -418,14 +418,12 @@ class Disaggregation(CamelModel):
 
 # What spec.disaggregation does not run with yet, each a CEL rule on the spec and the same check in
 # ModelDeploymentSpec._disaggregation: (rule, message).
-_ONE = "(has(self.{0}) ? self.{0} : 1) == 1"
 DISAGGREGATION_RULES: list[tuple[str, str]] = [
     (
-        "!has(self.disaggregation) || ("
-        + " && ".join(_ONE.format(f) for f in ("tensorParallelSize", "pipelineParallelSize", "nodes"))
-        + ")",
-        "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1 (the KV transfer"
-        " moves one rank's cache)",
+        # Tensor and pipeline ranks each move their own shard (server/kv_transfer/), all from the pod's IP.
+        "!has(self.disaggregation) || (has(self.nodes) ? self.nodes : 1) == 1",
+        "spec.disaggregation needs nodes 1 (an engine's ranks register their KV caches at its pod's"
+        " address)",
     ),
     (
         "!has(self.disaggregation) || (has(self.resources) && has(self.resources.gpus)"
@@ -630,7 +628,7 @@ class ModelDeploymentSpec(CamelModel):
             return self
         prefill = self.disaggregation.prefill.resources
         refused = [  # in DISAGGREGATION_RULES' order
-            self.ranks > 1 or self.nodes > 1,
+            self.nodes > 1,
             self.resources.gpus > 0 or (prefill is not None and prefill.gpus > 0),
             bool(self.adapters),
             self.scale_from_zero is not None,

@@ -154,18 +154,10 @@ def test_design_example_is_accepted() -> None:
         ({"tensorParallelSize": 0}, "spec.tensorParallelSize"),
         ({"scaleFromZero": {"scaleDownDelaySeconds": 0}}, "spec.scaleFromZero.scaleDownDelaySeconds"),
         ({"scaleFromZero": {"maxHeldRequests": 0}}, "spec.scaleFromZero.maxHeldRequests"),
-        # spec.disaggregation: one rank per engine, on CPUs (the example's engines have a GPU)
-        (
-            {"disaggregation": {}, "resources__gpus": 0, "tensorParallelSize": 2},
-            "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1",
-        ),
+        # spec.disaggregation: one node per engine, on CPUs (the example's engines have a GPU)
         (
             {"disaggregation": {}, "resources__gpus": 0, "tensorParallelSize": 2, "nodes": 2},
-            "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1",
-        ),
-        (
-            {"disaggregation": {}, "resources__gpus": 0, "pipelineParallelSize": 2},
-            "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1",
+            "spec.disaggregation needs nodes 1",
         ),
         ({"disaggregation": {}}, "spec.disaggregation needs CPU engines for now"),
         ({"disaggregation": {"prefill": {"replicas": 0}}}, "spec.disaggregation.prefill.replicas"),
@@ -247,21 +239,22 @@ def _schema_fields(schema: dict[str, Any], prefix: str = "") -> set[str]:
 
 
 def test_disaggregation_is_checked_by_the_crd_as_by_the_typed_spec() -> None:
-    """The CEL rule alone (no other rule fires): a disaggregated spec of one CPU rank is accepted, the same
-    with tensorParallelSize 2 or nodes 2 refused with the rule's message, by the API server's schema and
-    by the operator's typed spec."""
+    """The CEL rule alone (no other rule fires): a disaggregated spec of CPU engines is accepted, with
+    tensor or pipeline ranks too, and the same across 2 nodes refused with the rule's message, by the API
+    server's schema and by the operator's typed spec."""
     ok = {"model": "embedded", "resources": {"gpus": 0}, "disaggregation": {"prefill": {"replicas": 2}}}
     md = {"apiVersion": "pagedserve.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "pd"}}
     assert SCHEMA.errors({**md, "spec": ok}) == []
     assert parse_spec(ok).disaggregation is not None
-    message = (
-        "spec.disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1 (the KV transfer"
-        " moves one rank's cache)"
-    )
-    for split in ({"tensorParallelSize": 2}, {"nodes": 2, "tensorParallelSize": 2}):
+    for split in ({"tensorParallelSize": 3}, {"pipelineParallelSize": 2, "tensorParallelSize": 3}):
+        assert SCHEMA.errors({**md, "spec": {**ok, **split}}) == []
+        assert parse_spec({**ok, **split}).disaggregation is not None
+    message = ("spec.disaggregation needs nodes 1 (an engine's ranks register their KV caches at its pod's"
+               " address)")
+    for split in ({"nodes": 2, "tensorParallelSize": 2}, {"nodes": 2, "pipelineParallelSize": 2}):
         errors = SCHEMA.errors({**md, "spec": {**ok, **split}})
         assert len(errors) == 1 and message in errors[0], errors
-        with pytest.raises(ValidationError, match="disaggregation needs tensorParallelSize"):
+        with pytest.raises(ValidationError, match="disaggregation needs nodes 1"):
             parse_spec({**ok, **split})
         # the same split without disaggregation is fine
         colocated = {key: value for key, value in {**ok, **split}.items() if key != "disaggregation"}

@@ -709,15 +709,14 @@ def test_colocated_renders_have_no_disaggregation(case: str) -> None:
         assert "--prefill-k8s-service" not in text and '"pd"' not in text
 
 
-ONE_RANK = "disaggregation needs tensorParallelSize, pipelineParallelSize and nodes 1"
+ONE_NODE = "disaggregation needs nodes 1"
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"tensorParallelSize": 2}, ONE_RANK),
-        ({"pipelineParallelSize": 2}, ONE_RANK),
-        ({"nodes": 2, "tensorParallelSize": 2}, ONE_RANK),
+        ({"nodes": 2, "tensorParallelSize": 2}, ONE_NODE),
+        ({"nodes": 2, "pipelineParallelSize": 2}, ONE_NODE),
         ({"resources": {"gpus": 1}}, "disaggregation needs CPU engines for now"),
         ({"disaggregation": {"prefill": {"resources": {}}}}, "disaggregation needs CPU engines for now"),
         ({"disaggregation": {"prefill": {"replicas": 0}}}, "spec.disaggregation.prefill.replicas"),
