@@ -216,9 +216,16 @@ class Scheduler:
     # ---- prefill/decode disaggregation (server/core/kv_connector.py) ---------------------------------
 
     def _remote_prefill(self, request: Request) -> bool:
-        """Whether the request's prompt is to be read from a prefill engine (its first admission only)."""
-        return self.connector is not None and isinstance(request.kv_transfer, RemotePrefill) and \
-            self.kv.sliding_window is None and not request.output_token_ids
+        """Whether the request's prompt is to be read from a prefill engine (its first admission only). Not
+        under a sliding window (its early blocks are never allocated here): the prefill engine is told at
+        once that it may free them, and the prompt is computed here."""
+        if self.connector is None or not isinstance(request.kv_transfer, RemotePrefill):
+            return False
+        if self.kv.sliding_window is None:
+            return True
+        self.connector.release(request.kv_transfer)
+        request.kv_transfer = None
+        return False
 
     def _plan_remote_load(self, out: SchedulerOutput, request: Request, num_local_blocks: int,
                           budget: int) -> int:
