@@ -226,11 +226,11 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (server/speculative_config.py)',
         metavar="JSON", parse=str,
     )  # fmt: skip
-    # Prefill/decode disaggregation (server/kv_transfer/config.py parses and checks it).
+    # Prefill/decode disaggregation (server/kv_transfer_config.py parses and checks it).
     kv_transfer_config: Any = arg(
         help='the KV connector of prefill/decode disaggregation, vLLM\'s keys: e.g. \'{"kv_connector": '
         '"MooncakeConnector", "kv_role": "kv_both", "kv_ip": "10.0.0.5", "kv_port": 14579}\' '
-        '(server/kv_transfer/config.py); requests then carry kv_transfer_params (`pagedserve router '
+        '(server/kv_transfer_config.py); requests then carry kv_transfer_params (`pagedserve router '
         '--strategy pd`)',
         metavar="JSON", parse=str,
     )  # fmt: skip

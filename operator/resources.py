@@ -54,7 +54,7 @@ LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 # Prefill/decode disaggregation (spec.disaggregation): each engine's --kv-transfer-config (vLLM's JSON,
-# server/kv_transfer/config.py) names its role and the address its peers reach it at, its own pod IP
+# server/kv_transfer_config.py) names its role and the address its peers reach it at, its own pod IP
 # (Kubernetes expands $(POD_IP), from the downward API, in the args). Decode engines connect to a prefill
 # engine's side channel (kv_port) and its Mooncake transfer engine (a port of its own) at that IP.
 KV_CONNECTOR = "MooncakeConnector"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from pagedserve.common.engine_args import GIB, EngineArgs, json_object
-from pagedserve.server.kv_transfer.config import KVTransferConfig
+from pagedserve.server.kv_transfer_config import KVTransferConfig
 from pagedserve.server.lora_request import LoRAModulePath
 from pagedserve.server.multimodal import parse_mm_limits
 from pagedserve.server.pooling_params import POOLER_CONFIG_KEYS

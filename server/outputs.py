@@ -73,7 +73,7 @@ class RequestOutput:
     # A pooling request's vector (server/worker/pooler.py): its one output, with ``finished``
     pooled: list[float] | None = None
     # Prefill/decode disaggregation: where a finished prefill's KV waits for its decode engine (vLLM's
-    # RequestOutput.kv_transfer_params; server/kv_transfer/params.py)
+    # RequestOutput.kv_transfer_params; server/kv_transfer_params.py)
     kv_transfer_params: dict | None = None
 
     def add(self, delta: RequestOutput) -> None:

@@ -18,7 +18,7 @@ from pagedserve.server.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
     from pagedserve.server.grammar_state import GrammarState
-    from pagedserve.server.kv_transfer.params import KVTransfer
+    from pagedserve.server.kv_transfer_params import KVTransfer
     from pagedserve.server.multimodal import ImageInput
     from pagedserve.server.outputs import SampledToken
 

@@ -96,7 +96,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # output constrained to a grammar
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Prefill/decode disaggregation's (vLLM's extra_args["kv_transfer_params"]): the request's role in a
-    # P/D pair, as the API received it; server/kv_transfer/params.py parses it, in the input processor
+    # P/D pair, as the API received it; server/kv_transfer_params.py parses it, in the input processor
     kv_transfer_params: dict[str, Any] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 

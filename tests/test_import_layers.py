@@ -22,6 +22,7 @@ LAYERS = [
     "common",
     "kernels",
     "server",
+    "server/kv_transfer",
     "server/distributed",
     "server/layers",
     "server/lora",

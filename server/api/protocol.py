@@ -265,7 +265,7 @@ class _SamplingFields(RequestModel):
     prompt_logprobs: int | None = None
     cache_salt: Text | None = Field(None, min_length=1)  # only requests with the same salt share KV blocks
     # Prefill/decode disaggregation (vLLM's): the request's role in a P/D pair, checked by the engine
-    # (server/kv_transfer/params.py); `pagedserve router --strategy pd` sets it
+    # (server/kv_transfer_params.py); `pagedserve router --strategy pd` sets it
     kv_transfer_params: JSONObject | None = None
 
 

@@ -1,7 +1,8 @@
 """The scheduler side of the KV connector (vLLM V1's ``KVConnectorBase_V1`` scheduler role): which blocks a
 finished prefill keeps for its decode engine, and which blocks a decode request reads instead of computing.
-The bytes move on the worker side (server/kv_transfer/mooncake_agent.py, driven by the executor; the
-config, the params and the side channel live beside it in server/kv_transfer/).
+The bytes move on the worker side (server/kv_transfer/mooncake_agent.py, driven by the executor), the
+acquire/release messages over server/kv_transfer/side_channel.py; the settings and the params are
+server/kv_transfer_config.py and server/kv_transfer_params.py.
 
 Prefill engine: a request with ``do_remote_decode`` that ends (after its one token) keeps its blocks:
 ``hold`` takes them out of the KV manager's hands and returns the ``kv_transfer_params`` its response
@@ -24,9 +25,9 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.server.core.block_pool import Block
-from pagedserve.server.kv_transfer.config import KVTransferConfig
-from pagedserve.server.kv_transfer.params import KVLayout, RemotePrefill
 from pagedserve.server.kv_transfer.side_channel import ReleaseListener, ReleaseSender
+from pagedserve.server.kv_transfer_config import KVTransferConfig
+from pagedserve.server.kv_transfer_params import KVLayout, RemotePrefill
 from pagedserve.server.request import Request
 
 

@@ -30,7 +30,7 @@ from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
 from pagedserve.server.core.kv_connector import KVConnector, RemoteLoad
 from pagedserve.server.core.stops import append_token
-from pagedserve.server.kv_transfer.params import RemoteDecode, RemotePrefill
+from pagedserve.server.kv_transfer_params import RemoteDecode, RemotePrefill
 from pagedserve.server.request import Request, RequestStatus
 
 if TYPE_CHECKING:

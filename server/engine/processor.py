@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.server.exceptions import InvalidRequestError
-from pagedserve.server.kv_transfer.config import KVTransferConfig
-from pagedserve.server.kv_transfer.params import (
+from pagedserve.server.kv_transfer_config import KVTransferConfig
+from pagedserve.server.kv_transfer_params import (
     KVTransfer,
     RemoteDecode,
     RemotePrefill,
@@ -332,7 +332,7 @@ class Processor:
         return None, [int(t) for t in prompt]
 
     def _kv_transfer(self, params: SamplingParams) -> KVTransfer | None:
-        """The request's role in a P/D pair (server/kv_transfer/params.py). An engine without a connector
+        """The request's role in a P/D pair (server/kv_transfer_params.py). An engine without a connector
         runs it as an ordinary request, as vLLM's does: a prefill answers no kv_transfer_params (the router
         then decodes it colocated), a decode computes its prompt."""
         transfer = parse_kv_transfer_params(params.kv_transfer_params)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pagedserve.server.executor.tp_driver import TPDriver
     from pagedserve.server.executor.tp_worker import WorkerSpec
     from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent
-    from pagedserve.server.kv_transfer.params import KVLayout
+    from pagedserve.server.kv_transfer_params import KVLayout
     from pagedserve.server.lora.manager import LoRAManager
     from pagedserve.server.lora.peft import AdapterWeights
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pagedserve.server.kv_transfer.params import KVLayout, block_runs
+from pagedserve.server.kv_transfer_params import KVLayout, block_runs
 
 # Spans per batched read: Mooncake's TCP transport rejects a batch past its queue's length (2,400 spans of
 # a 40-block prompt on 30 layers were refused, "TCP lane queue-full").

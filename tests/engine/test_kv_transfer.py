@@ -16,7 +16,7 @@ import pytest
 import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.exceptions import InvalidRequestError
-from pagedserve.server.kv_transfer.config import KVTransferConfig
+from pagedserve.server.kv_transfer_config import KVTransferConfig
 from pagedserve.server.sampling_params import SamplingParams
 
 from pagedserve import LLM

@@ -43,8 +43,8 @@ def test_a_long_request_holds_blocks_for_its_window_only(mistral):
     in_use: list[int] = []  # blocks taken from the pool after each step's allocation
     allocate = kv.allocate
 
-    def recording_allocate(request, num_new_tokens, cached=None):
-        ok = allocate(request, num_new_tokens, cached)
+    def recording_allocate(request, num_new_tokens, cached=None, cache=True):
+        ok = allocate(request, num_new_tokens, cached, cache)
         in_use.append(kv.pool.num_blocks - kv.pool.num_free_blocks)
         return ok
 
