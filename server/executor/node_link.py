@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -61,6 +62,15 @@ class NodeLinks:
         first = node * spec.ranks_per_node
         return (f"node {node} (ranks {first}..{first + spec.ranks_per_node - 1}) lost its link to the "
                 "leader: its process ended")
+
+    def wait_closed(self, timeout_s: float) -> None:
+        """Until every node's link has closed (its process ended: nodes send nothing else), or
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.sockets)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for sock in wait(pending, left):
+                pending.remove(sock)
 
     def close(self) -> None:
         for sock in [self._listener, *self.sockets]:

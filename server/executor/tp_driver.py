@@ -175,6 +175,10 @@ class TPDriver:
                 worker.kill()
                 worker.join()
         if self.links is not None:
+            if self.death is None:
+                # The other nodes' ranks leave the group first: a node's rank still tearing down its gloo
+                # pairs when this end vanished once aborted (exit -6), and its node exited 1 in a clean stop.
+                self.links.wait_closed(STOP_TIMEOUT_S)
             self.links.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
