@@ -9,7 +9,7 @@ layer's K and V addresses; the block ids, the same on every rank) and where to s
 side channel). Under tensor or pipeline parallelism each decode rank reads from the prefill rank of the
 same number, which holds the same layers and heads when both engines split the model alike. The router
 hands that to a decode engine with the client's own request, and the decode engine reads the blocks
-instead of computing the prompt (server/core/kv_connector.py).
+instead of computing the prompt (server/core/mooncake_connector.py).
 """
 
 from __future__ import annotations

@@ -88,9 +88,9 @@ class Request:
     # of the positions after the prompt (server/multimodal.py mrope_positions); None: positions are indices
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
-    # Prefill/decode disaggregation (server/core/kv_connector.py): this request's role in a P/D pair, from
-    # its kv_transfer_params (cleared once a decode request's read is planned), and the params a finished
-    # prefill hands its decode engine
+    # Prefill/decode disaggregation (server/core/mooncake_connector.py): this request's role in a P/D pair,
+    # from its kv_transfer_params (cleared once a decode request's read is planned), and the params a
+    # finished prefill hands its decode engine
     kv_transfer: KVTransfer | None = None
     kv_transfer_params: dict | None = None
 

@@ -2,8 +2,9 @@
 
 A block whose ref count drops to zero joins the free queue but keeps its hash, so a later request with
 the same prefix can take it back; blocks are reused from the front of the queue (least recently freed),
-which is what makes eviction LRU. With a host tier (server/core/host_tier.py) a cached block is copied
-there as it is evicted for reuse, so a later hit can load it back instead of recomputing it.
+which is what makes eviction LRU. ``on_evict`` hears of each cached block about to be reused: the CPU KV
+tier (server/core/offloading_connector.py) copies it to host memory then, so a later hit can load it back
+instead of recomputing it.
 
 With ``enable_kv_events`` the pool records what routers need to know of its hash map as KV events
 (server/core/kv_events.py): a block evicted from it, or the whole map forgotten. The KV manager records
@@ -14,9 +15,9 @@ thread; the async engine takes the list after each step.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.server.core.host_tier import HostTier
 from pagedserve.server.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
@@ -28,9 +29,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_kv_events: bool = False, host: HostTier | None = None) -> None:
+    def __init__(self, num_blocks: int, enable_kv_events: bool = False,
+                 on_evict: Callable[[bytes, int], None] | None = None) -> None:
         self.num_blocks = num_blocks
-        self.host = host
+        self.on_evict = on_evict
         self.events: list[KVEvent] | None = [] if enable_kv_events else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -50,9 +52,9 @@ class BlockPool:
         taken = []
         for _ in range(count):
             _, block = self.free_queue.popitem(last=False)
-            if self.host is not None and block.block_hash is not None:
+            if self.on_evict is not None and block.block_hash is not None:
                 # Its K/V is whole (written by an earlier step); this step's copies run before its forward.
-                self.host.store(block.block_hash, block.block_id)
+                self.on_evict(block.block_hash, block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

@@ -2,17 +2,17 @@
 of host blocks keyed by the same block hashes as the device pool, least recently used first out.
 
 A cached device block that the pool evicts to reuse it (server/core/block_pool.py) is first copied here
-(a store), unless its hash is here already; a prefix that misses on the device but is found here is
-copied back into fresh device blocks (a load) instead of being recomputed (server/core/kv_cache_manager.py).
-Storing at eviction, not when a block is freed, copies only the blocks the device really loses: a block
-freed and hit again on the device costs nothing.
+(a store), unless its hash is here already; a prefix that continues past the device's hits into blocks
+found here is copied back into fresh device blocks (a load) instead of being recomputed. The tier meets
+the scheduler as a KV connector (server/core/offloading_connector.py), which drives this bookkeeping.
 
 Only the decisions live here, torch-free: which hash sits in which host block, and the step's copies as
-plain ints (``KVTransfers``). The bytes move in the runner (server/worker/model_runner.py), which owns
-the host tensors: pinned CPU memory beside a GPU cache, plain CPU tensors beside a CPU one (a second pool).
+plain ints (``KVTransfers``). The bytes move in the connector's worker on every rank
+(server/worker/kv_connector_workers.py ``OffloadingWorker``), which owns the host tensors: pinned CPU
+memory beside a GPU cache, plain CPU tensors beside a CPU one (a second pool).
 
 Within one step the copies are planned while scheduling, before the forward pass writes anything, and
-the runner applies all stores, then all loads, then runs the forward. So a store reads a reused device
+the worker applies all stores, then all loads, before the forward runs. So a store reads a reused device
 block before anyone overwrites it, and a load may read a host block stored in the same step. A host block
 read or written by the step being planned is ``busy``: no other store of that step may take it, so each
 host block is the target of one copy per step and a planned load is never overwritten.

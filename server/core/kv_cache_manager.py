@@ -18,19 +18,18 @@ be evicted already, and are not taken. Models whose layers differ (Gemma 2/3 alt
 layers) pass no window and keep every block; vLLM's hybrid allocator, one block table per kind of layer,
 is the full answer there.
 
-Host tier (``num_host_blocks``, server/core/host_tier.py): a prefix continues past the device's cached
-blocks into blocks whose hashes the host tier holds. Each of those gets a fresh device block and a load in
-this step's ``KVTransfers`` (``take_transfers``), counts as computed, and becomes a device-cached block
-again (with the usual ``BlockStored``). Device blocks the pool evicts are stored there first.
+KV from outside the pool (the CPU KV tier, a prefill engine's blocks) is the KV connectors' business
+(server/core/kv_connector.py): the scheduler asks them how far a prefix continues past the hits found here
+and allocates blocks for those tokens too (``cache=False`` until they are loaded, then ``cache_blocks``);
+``on_evict`` tells them of each cached block the pool is about to reuse.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.common.block_hash import hash_block, salted_root, seed_hash
 from pagedserve.server.core.block_pool import Block, BlockPool
-from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
 from pagedserve.server.core.kv_events import BlockStored
 from pagedserve.server.request import Request
 
@@ -53,14 +52,14 @@ class KVCacheManager:
         hash_seed: str,
         sliding_window: int | None = None,
         enable_kv_events: bool = False,
-        num_host_blocks: int = 0,
+        on_evict: Callable[[bytes, int], None] | None = None,
     ) -> None:
-        """``num_host_blocks``: the host tier's size (0: no tier; it needs ``enable_caching``)."""
+        """``on_evict(block_hash, block_id)``: called for each cached block the pool is about to reuse
+        (a KV connector's ``on_block_evicted``)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
-        self.pool = BlockPool(num_blocks, enable_kv_events=enable_kv_events, host=self.host)
+        self.pool = BlockPool(num_blocks, enable_kv_events=enable_kv_events, on_evict=on_evict)
         # Stands in the block table for blocks freed behind the window; held for good, never cached.
         self.null_block: Block | None = self.pool.allocate(1)[0] if sliding_window is not None else None
         self.root_hash = seed_hash(hash_seed)
@@ -73,10 +72,6 @@ class KVCacheManager:
         self.req_num_skipped: dict[str, int] = {}  # leading blocks already behind the window (null)
         self.prefix_queries = 0  # prompt tokens looked up, in tokens as vLLM counts them
         self.prefix_hits = 0  # ... found on the device
-        # The host tier's, as vLLM's external (KV connector) prefix cache counters: prompt tokens looked up
-        # while it is on, and tokens loaded from it (counted as the loads are planned, not when found).
-        self.tier_queries = 0
-        self.tier_hits = 0
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -88,38 +83,28 @@ class KVCacheManager:
         """The request's block table (the live list: read it, never change it)."""
         return self.req_block_ids.get(request_id, [])
 
-    def find_cached_prefix(self, request: Request) -> list[Block | HostHit]:
+    def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest cached prefix of the request's tokens, as blocks for the start of its table.
 
         The last token is always computed (its logits are needed), so a fully cached prompt gives up
         its final block. A request still owing prompt logprobs needs the logits of every prompt position,
         so it takes no hits (as in vLLM), though the blocks it fills are cached for others. With a
         sliding window only the blocks inside the window of the first computed token must be cached;
-        the null block stands for those before it. A block found only in the host tier is a ``HostHit``:
-        ``allocate`` gives it a device block and plans its load. Nothing changes until ``allocate``.
+        the null block stands for those before it. Nothing changes until ``allocate``.
         """
         if not self.enable_caching or request.skips_prefix_cache:
             return []
-        hashes = self._full_block_hashes(request)
+        hashes = self.full_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        found = [self._lookup(block_hash) for block_hash in hashes[:max_blocks]]
+        found = [self.pool.lookup(block_hash) for block_hash in hashes[:max_blocks]]
         num_hit = self._longest_usable_prefix(found)
         skipped = self._num_skipped_blocks(num_hit * self.block_size)
         hits = [self.null_block] * skipped + found[skipped:num_hit]
-        num_on_host = sum(1 for hit in hits if isinstance(hit, HostHit))
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += (num_hit - num_on_host) * self.block_size
-        if self.host is not None:
-            self.tier_queries += request.num_tokens
-        return hits
+        self.prefix_hits += num_hit * self.block_size
+        return hits  # type: ignore[return-value]  # the null block is one only with a window
 
-    def _lookup(self, block_hash: bytes) -> Block | HostHit | None:
-        block = self.pool.lookup(block_hash)
-        if block is None and self.host is not None and block_hash in self.host:
-            return HostHit(block_hash)
-        return block
-
-    def _longest_usable_prefix(self, found: list[Block | HostHit | None]) -> int:
+    def _longest_usable_prefix(self, found: list[Block | None]) -> int:
         """The most leading blocks a request can take: every block it still needs there is cached."""
         if self.sliding_window is None:
             return next((i for i, block in enumerate(found) if block is None), len(found))
@@ -138,12 +123,11 @@ class KVCacheManager:
         return max(num_computed - self.sliding_window + 1, 0) // self.block_size
 
     def allocate(
-        self, request: Request, num_new_tokens: int, cached: list[Block | HostHit] | None = None,
-        cache: bool = True,
+        self, request: Request, num_new_tokens: int, cached: list[Block] | None = None, cache: bool = True,
     ) -> bool:
         """Room for ``num_new_tokens`` more tokens after the computed ones (and ``cached`` hits).
         ``cache=False``: the new blocks are not findable until ``cache_blocks`` (their KV comes from
-        another engine, server/core/kv_connector.py, and is not there yet).
+        a KV connector, server/core/kv_connector.py, and is not there yet).
 
         Returns False when the pool cannot supply the blocks, changing nothing but the return of blocks
         that have fallen out of the sliding window (which are never read again either way).
@@ -163,17 +147,16 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
         self._free_skipped_blocks(request.request_id, blocks, num_computed)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(cached)
-        taken = [b for b in cached if isinstance(b, Block) and b is not self.null_block]
-        on_host = [b for b in cached if isinstance(b, HostHit)]
-        # Hits that sit in the free queue stop being free once touched; host hits each take a free block.
+        taken = [b for b in cached if b is not self.null_block]
+        # Hits that sit in the free queue stop being free once touched.
         reclaimed = sum(1 for b in taken if b.ref_cnt == 0)
-        if needed + reclaimed + len(on_host) > self.pool.num_free_blocks or not self._pin(on_host):
+        if needed + reclaimed > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
                 del self.req_block_ids[request.request_id]
             return False
         self.pool.touch(taken)
-        added = self._load(cached, on_host)
+        added = cached
         if needed > 0:
             added = [*added, *self.pool.allocate(needed)]
         blocks.extend(added)
@@ -182,37 +165,9 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
 
-    def _pin(self, on_host: list[HostHit]) -> bool:
-        """Keep the hits' host blocks from being overwritten by the stores the allocation below plans."""
-        return all(self.host.pin(hit.block_hash) for hit in on_host) if on_host else True
-
-    def _load(self, cached: list[Block | HostHit], on_host: list[HostHit]) -> list[Block]:
-        """The hits as device blocks: each host hit in a fresh one, loaded from the host tier this step
-        (and made findable again by ``_cache_full_blocks``)."""
-        if not on_host:
-            return cached  # type: ignore[return-value]
-        assert self.host is not None
-        fresh = iter(self.pool.allocate(len(on_host)))
-        resolved: list[Block] = []
-        for hit in cached:
-            if isinstance(hit, HostHit):
-                block = next(fresh)
-                self.host.load(hit.block_hash, block.block_id)
-                resolved.append(block)
-            else:
-                resolved.append(hit)
-        self.tier_hits += len(on_host) * self.block_size
-        return resolved
-
-    def take_transfers(self) -> KVTransfers:
-        """The host tier's copies planned since the last call: the step's input for the runner."""
-        return self.host.take_transfers() if self.host is not None else KVTransfers()
-
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block, on the device and in the host tier."""
+        """Forget every cached block (the scheduler has the connectors forget theirs)."""
         self.pool.reset_prefix_cache()
-        if self.host is not None:
-            self.host.reset()
 
     def cache_blocks(self, request: Request) -> None:
         """Make the full blocks of the request's computed tokens findable (after ``cache=False``)."""
@@ -221,8 +176,8 @@ class KVCacheManager:
 
     def detach(self, request: Request) -> list[Block] | None:
         """A finished request's blocks, taken from it without being freed: held for a peer engine to read
-        (server/core/kv_connector.py), then given to ``release``. None, and nothing taken, when some of them
-        fell behind the sliding window already."""
+        (server/core/mooncake_connector.py), then given to ``release``. None, and nothing taken, when some
+        of them fell behind the sliding window already."""
         blocks = self.req_blocks.get(request.request_id, [])
         if self.null_block is not None and self.null_block in blocks:
             return None
@@ -257,7 +212,7 @@ class KVCacheManager:
         self.req_block_ids[request_id][done:skipped] = [self.null_block.block_id] * (skipped - done)
         self.req_num_skipped[request_id] = skipped
 
-    def _full_block_hashes(self, request: Request) -> list[bytes]:
+    def full_block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of every full block of the request's known tokens, extended incrementally."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
@@ -277,7 +232,7 @@ class KVCacheManager:
         done = self.req_num_cached.get(request.request_id, 0)
         if num_full <= done:
             return
-        hashes = self._full_block_hashes(request)
+        hashes = self.full_block_hashes(request)
         stored = []
         for i in range(done, num_full):
             # A hit past the window (null) was never taken; cache() is False for blocks already findable.

@@ -1,157 +1,164 @@
-"""The scheduler side of the KV connector (vLLM V1's ``KVConnectorBase_V1`` scheduler role): which blocks a
-finished prefill keeps for its decode engine, and which blocks a decode request reads instead of computing.
-The bytes move on the worker side (server/kv_transfer/mooncake_agent.py, driven by the executor), the
-acquire/release messages over server/kv_transfer/side_channel.py; the settings and the params are
-server/kv_transfer_config.py and server/kv_transfer_params.py.
+"""The KV connector interface, scheduler role (vLLM V1's ``KVConnectorBase_V1``): KV that lives outside this
+engine's device pool, found for new requests, loaded into their blocks before the step that needs it, and
+kept past a request's end when someone else will read it. The scheduler (server/core/scheduler.py) talks
+to connectors through this class only; the bytes move on the worker side (server/worker/kv_connector_
+workers.py), one worker per connector, driven by the executor with the metadata built here.
 
-Prefill engine: a request with ``do_remote_decode`` that ends (after its one token) keeps its blocks:
-``hold`` takes them out of the KV manager's hands and returns the ``kv_transfer_params`` its response
-carries. They go back to the pool when the decode engine says it read them (server/kv_transfer/
-side_channel.py) or when ``hold_seconds`` pass, whichever comes first (``take_freeable``); a decode engine
-acquires them before reading, so that blocks freed by their hold time are never read, and acquired ones
-stay until released (or a second hold time passes: a reader that died).
+Two connectors implement it:
+- the CPU KV tier (server/core/offloading_connector.py, vLLM's OffloadingConnector, ``--kv-offloading-size``):
+  blocks the device pool evicts are stored in host memory and loaded back for a later prefix hit;
+- prefill/decode disaggregation (server/core/mooncake_connector.py, ``--kv-transfer-config``): a prefill
+  engine keeps a finished prompt's blocks, a decode engine reads them instead of computing the prompt.
+Both on at once run as one ``MultiConnector`` (vLLM's name), each asked in turn.
 
-Decode engine: a request with ``do_remote_prefill`` is admitted with blocks for its whole prompt; those past
-its own prefix-cache hits are read from the prefill engine's blocks (``plan_load``) before the step that
-computes its last prompt token, the only prompt token it computes (vLLM's P/D does the same: the decode
-side needs that token's logits). The read is synchronous, before the step's forward pass; a read that
-fails leaves the request to compute its prompt itself (a colocated run, counted in ``num_failed``).
+A step's life, as in vLLM: for a waiting request the scheduler asks ``get_num_new_matched_tokens`` (prompt
+tokens a connector supplies after the device's own prefix hits), allocates blocks for them too, and tells
+the connector which blocks they got (``update_state_after_alloc``). ``build_connector_meta`` then hands
+the step's transfers to the workers, which make them before the step's forward pass; their results come
+back to ``update_connector_output``, which names the requests whose loads failed (they compute their
+prompt instead). When a request finishes, ``request_finished`` may keep its blocks (returning the
+``kv_transfer_params`` its response carries); kept blocks come back by ``take_freeable`` or, when the pool
+runs short, ``evict_held``. ``on_block_evicted`` sees every cached block the pool is about to reuse.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from pagedserve.server.core.block_pool import Block
-from pagedserve.server.kv_transfer.side_channel import ReleaseListener, ReleaseSender
-from pagedserve.server.kv_transfer_config import KVTransferConfig
-from pagedserve.server.kv_transfer_params import KVLayout, RemotePrefill
 from pagedserve.server.request import Request
 
-
-@dataclass
-class RemoteLoad:
-    """One decode request's read: the prefill engine's ``remote_blocks`` into its ``local_blocks``."""
-
-    request: Request
-    source: RemotePrefill
-    remote_blocks: list[int]
-    local_blocks: list[int]
-    num_local_tokens: int  # prompt tokens found in this engine's own prefix cache, before the read
-
-
-@dataclass
-class HeldBlocks:
-    blocks: list[Block]
-    deadline: float  # time.monotonic() past which they are freed unread
-    acquired: bool = False  # a decode engine is reading them: the deadline was pushed back once
+# One step's worker-side work, by connector name (server/worker/kv_connector_workers.py has a worker of
+# each name); plain data, so it travels whole to every tensor- and pipeline-parallel rank.
+ConnectorMetadata = dict[str, Any]
+# Each worker's result for that step, by connector name: one entry per rank, in rank order.
+ConnectorResults = dict[str, list[Any]]
+C = TypeVar("C", bound="KVConnector")
 
 
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, layouts: tuple[KVLayout, ...], block_size: int) -> None:
-        """``layouts``: each rank's registered cache, in rank order (server/executor/executor.py)."""
-        self.config = config
-        self.layouts = layouts
-        self.block_size = block_size
-        self.listener = ReleaseListener(config.kv_ip, config.kv_port, self._acquire) if config.produces \
-            else None
-        self.sender = ReleaseSender() if config.consumes else None
-        self._lock = threading.Lock()  # ``held``: the scheduler's thread and the side channel's threads
-        self.held: dict[str, HeldBlocks] = {}
-        # For /metrics (server/engine/core_stats.py): prompt tokens of requests that came with a remote
-        # prefill, and those read instead of computed (vLLM's external prefix cache); the reads; held
-        # blocks freed because no decode engine read them in time (or made room for new requests).
-        self.queries = self.hits = self.bytes_received = self.num_transfers = 0
-        self.num_failed = self.num_expired = 0
-        self.transfer_seconds = 0.0
+    """The scheduler role. Every method has a do-nothing default, so a connector states only what it does."""
 
-    # ---- prefill engine -----------------------------------------------------------------------------
+    name = ""
+    # Tokens as vLLM's external prefix cache counts them (vllm:external_prefix_cache_queries/hits): prompt
+    # tokens of requests this connector was asked about, and those it supplied instead of their compute.
+    queries = 0
+    hits = 0
 
-    def hold(self, request: Request, blocks: list[Block]) -> dict:
-        """Keep a finished prefill's blocks for its decode engine; the params that say where they are."""
-        with self._lock:
-            self.held[request.request_id] = HeldBlocks(blocks, time.monotonic() + self.config.hold_seconds)
-        assert self.listener is not None  # only a producing role holds
-        return RemotePrefill(
-            request_id=request.request_id,
-            block_ids=tuple(b.block_id for b in blocks),
-            num_tokens=request.num_prompt_tokens,
-            layouts=self.layouts,
-            side_channel=self.listener.address,
-        ).as_params()
+    def get_num_new_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
+        """Prompt tokens after the first ``num_local_tokens`` (the device's hits) this connector can load
+        for ``request``, never its last prompt token (whose logits are needed). Asked again each step the
+        request waits, so it changes nothing but what ``update_state_after_alloc`` then plans."""
+        return 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None:
+        """``request`` was admitted: its blocks after its ``num_local_tokens`` hold the
+        ``num_external_tokens`` this connector said it would load (plan that load for this step)."""
+
+    def on_block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        """A cached device block is about to be reused (its K/V is whole until this step's forward)."""
+
+    def build_connector_meta(self) -> Any:
+        """This step's work for the connector's worker (None: nothing this step)."""
+        return None
+
+    def update_connector_output(self, results: list[Any]) -> set[str]:
+        """The worker's results of this step's metadata, one per rank; the ids of requests whose load
+        failed (they compute their prompt themselves from their own prefix hits)."""
+        return set()
+
+    def request_finished(self, request: Request, blocks: list[Block]) -> dict | None:
+        """A request ended normally: the ``kv_transfer_params`` of its response when the connector keeps
+        ``blocks`` (then they are the connector's until ``take_freeable`` or ``evict_held`` return them),
+        None when they are freed as usual."""
+        return None
 
     def take_freeable(self) -> list[list[Block]]:
-        """Held blocks released by their readers, or past their deadline: the caller frees them."""
-        if self.listener is None:
-            return []
-        released = self.listener.take()
-        now = time.monotonic()
-        with self._lock:
-            freeable = [held.blocks for rid in released if (held := self.held.pop(rid, None))]
-            for request_id in [rid for rid, held in self.held.items() if held.deadline < now]:
-                freeable.append(self.held.pop(request_id).blocks)
-                self.num_expired += 1
-        return freeable
+        """Kept blocks whose readers are done (or never came): the caller frees them."""
+        return []
 
-    def evict_oldest(self) -> list[Block] | None:
-        """The blocks of the oldest hold no decode engine has acquired, given up to make room (its reader
-        will be told they are gone, and compute the prompt); None when every hold is being read."""
-        with self._lock:
-            oldest = next((rid for rid, held in self.held.items() if not held.acquired), None)
-            if oldest is None:
-                return None
-            self.num_expired += 1
-            return self.held.pop(oldest).blocks
+    def evict_held(self) -> list[Block] | None:
+        """Kept blocks given up to make room for a request that does not fit; None when none can be."""
+        return None
 
-    def _acquire(self, request_id: str) -> bool:
-        """A decode engine is about to read: True if the blocks are still held (kept until released)."""
-        with self._lock:
-            held = self.held.get(request_id)
-            if held is None or held.deadline < time.monotonic():
-                return False
-            if not held.acquired:
-                held.acquired, held.deadline = True, held.deadline + self.config.hold_seconds
-            return True
+    @property
+    def num_held_requests(self) -> int:
+        return 0
 
-    # ---- decode engine ------------------------------------------------------------------------------
-
-    def plan_load(self, request: Request, source: RemotePrefill, num_local_blocks: int,
-                  block_ids: list[int]) -> RemoteLoad | None:
-        """The read that gives ``request`` its prompt's KV up to its last token from ``source``, after its
-        first ``num_local_blocks`` blocks (its own prefix-cache hits); None when the prefill engine's blocks
-        do not fit this prompt (another prompt, or too few blocks): the request computes it here."""
-        num_prompt = request.num_prompt_tokens
-        num_needed = -(-(num_prompt - 1) // self.block_size)  # blocks holding tokens 0 .. prompt - 2
-        if source.num_tokens != num_prompt or len(source.block_ids) < num_needed:
-            return None
-        return RemoteLoad(request, source, list(source.block_ids[num_local_blocks:num_needed]),
-                          block_ids[num_local_blocks:num_needed], num_local_blocks * self.block_size)
-
-    def acquire(self, load: RemoteLoad) -> bool:
-        """Ask the prefill engine to keep the blocks until released; False: they are gone (do not read)."""
-        assert self.sender is not None
-        return self.sender.acquire(load.source.side_channel, load.source.request_id)
-
-    def loaded(self, load: RemoteLoad, result: int | Exception, seconds: float) -> None:
-        """Count a read (its bytes, or the error it failed with) and tell the prefill engine it is done."""
-        self.transfer_seconds += seconds
-        self.num_transfers += 1
-        if isinstance(result, Exception):
-            self.num_failed += 1
-        else:
-            self.bytes_received += result
-            self.hits += load.request.num_prompt_tokens - 1 - load.num_local_tokens
-        self.release(load.source)
-
-    def release(self, source: RemotePrefill) -> None:
-        """The prefill engine may free these blocks: read, failed, or not needed."""
-        if self.sender is not None:
-            self.sender.send(source.side_channel, [source.request_id])
+    def reset_cache(self) -> None:
+        """Forget every block this connector could load (with the device pool's ``reset_prefix_cache``)."""
 
     def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-        if self.sender is not None:
-            self.sender.close()
+        """Stop what runs beside the engine (a side channel's threads and port)."""
+
+
+class MultiConnector(KVConnector):
+    """Several connectors at once (vLLM's MultiConnector): a request's external tokens come from the first
+    that has any; everything else goes to each."""
+
+    name = "multi"
+
+    def __init__(self, connectors: Sequence[KVConnector]) -> None:
+        self.connectors = list(connectors)
+        self._chosen: dict[str, KVConnector] = {}  # request id -> the connector that matched it this step
+
+    def get_num_new_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
+        self._chosen.pop(request.request_id, None)
+        for connector in self.connectors:
+            if num := connector.get_num_new_matched_tokens(request, num_local_tokens):
+                self._chosen[request.request_id] = connector
+                return num
+        return 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_local_tokens: int,
+                                 num_external_tokens: int) -> None:
+        chosen = self._chosen.pop(request.request_id, None)
+        for connector in self.connectors:
+            connector.update_state_after_alloc(request, block_ids, num_local_tokens,
+                                               num_external_tokens if connector is chosen else 0)
+
+    def on_block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        for connector in self.connectors:
+            connector.on_block_evicted(block_hash, block_id)
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        self._chosen.clear()  # matched but not admitted: nothing planned for them
+        metadata = {c.name: c.build_connector_meta() for c in self.connectors}
+        return {name: meta for name, meta in metadata.items() if meta is not None}
+
+    def update_connector_output(self, results: ConnectorResults) -> set[str]:  # type: ignore[override]
+        failed: set[str] = set()
+        for connector in self.connectors:
+            # Called even without results: a connector may know of failures before any transfer ran.
+            failed |= connector.update_connector_output(results.get(connector.name, []))
+        return failed
+
+    def request_finished(self, request: Request, blocks: list[Block]) -> dict | None:
+        for connector in self.connectors:
+            if (params := connector.request_finished(request, blocks)) is not None:
+                return params
+        return None
+
+    def take_freeable(self) -> list[list[Block]]:
+        return [blocks for connector in self.connectors for blocks in connector.take_freeable()]
+
+    def evict_held(self) -> list[Block] | None:
+        return next((blocks for c in self.connectors if (blocks := c.evict_held()) is not None), None)
+
+    @property
+    def num_held_requests(self) -> int:
+        return sum(connector.num_held_requests for connector in self.connectors)
+
+    def reset_cache(self) -> None:
+        for connector in self.connectors:
+            connector.reset_cache()
+
+    def close(self) -> None:
+        for connector in self.connectors:
+            connector.close()
+
+    def find(self, kind: type[C]) -> C | None:
+        """The connector of that class, if it is one of these (for its own statistics)."""
+        return next((c for c in self.connectors if isinstance(c, kind)), None)

@@ -4,12 +4,14 @@ run out the newest running request is preempted (its blocks freed, recomputed la
 A decode carrying draft tokens (speculative decoding) takes 1 + drafts tokens; drafts are cut to the
 token budget and dropped, never the request, when their blocks do not fit. With LoRA, no more than
 ``max_loras`` distinct adapters run at once: a waiting request whose adapter would be one too many
-waits (others may pass it), as in vLLM's scheduler. The step's host-tier copies (server/core/host_tier.py),
-planned while allocating, travel with the batch as ``kv_transfers``. With a KV connector (prefill/decode
-disaggregation, server/core/kv_connector.py) a request whose prompt was computed by a prefill engine is
-admitted with blocks for all of it and a read of that engine's blocks in ``kv_loads``, made by
-``load_remote_kv`` before the step runs; only its last prompt token is computed here. A finished prefill's
-blocks are kept for its decode engine instead of freed, and freed once that engine read them.
+waits (others may pass it), as in vLLM's scheduler.
+
+KV from outside the device pool comes through the KV connector interface (server/core/kv_connector.py), as
+in vLLM V1: a waiting request's prompt tokens past its own prefix-cache hits that a connector supplies (the
+CPU KV tier's blocks, or a prefill engine's for a disaggregated decode) get blocks with the rest and count
+as computed; the step's transfers travel with the batch as ``connector_meta`` and are made by the workers
+before it runs (``load_kv``); a request whose load failed leaves the step and computes its prompt itself.
+A finished request's blocks may be kept by a connector for a peer engine, and come back when it is done.
 
 After the step ran, ``update_from_output`` applies what it sampled (vLLM V1's Scheduler does both): each
 request's tokens are appended through the stops (server/core/stops.py), a grammar takes each token first,
@@ -19,24 +21,20 @@ and the token counters the metrics report advance.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
-from pagedserve.server.core.kv_connector import KVConnector, RemoteLoad
+from pagedserve.server.core.kv_connector import ConnectorMetadata, ConnectorResults, MultiConnector
 from pagedserve.server.core.stops import append_token
-from pagedserve.server.kv_transfer_params import RemoteDecode, RemotePrefill
 from pagedserve.server.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pagedserve.server.outputs import SampledToken
 
-logger = logging.getLogger("pagedserve.scheduler")
 
 # What a step sampled, per request: its new tokens (one, or accepted drafts and one more), or the error
 # its row alone raised (server/worker/model_runner.py StepResult)
@@ -65,10 +63,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Block copies between the device and the host tier, applied before this step's forward pass
-    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
-    # Prompts' KV read from prefill engines (server/core/kv_connector.py), before this step runs
-    kv_loads: list[RemoteLoad] = field(default_factory=list)
+    # The KV connectors' transfers of this step, by connector name, made before its forward pass
+    connector_meta: ConnectorMetadata = field(default_factory=dict)
+    # Requests admitted with tokens a connector loads this step, and their own prefix hits' token count
+    kv_loads: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,13 +102,13 @@ def _runs_ahead(item: ScheduledRequest) -> bool:
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0,
-        max_model_len: int = 0, connector: KVConnector | None = None,
+        max_model_len: int = 0, connector: MultiConnector | None = None,
     ) -> None:
         """``max_loras``: the most distinct LoRA adapters running at once (0: LoRA is off).
-        ``max_model_len``: a sequence that reaches it stops ("length"). ``connector``: prefill/decode
-        disaggregation's scheduler side (None: off)."""
+        ``max_model_len``: a sequence that reaches it stops ("length"). ``connector``: the KV connectors
+        (server/core/kv_connector.py; None: none)."""
         self.kv = kv
-        self.connector = connector
+        self.connector = connector if connector is not None else MultiConnector([])
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -140,7 +138,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        out.kv_transfers = self.kv.take_transfers()
+        out.connector_meta = self.connector.build_connector_meta()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -188,108 +186,74 @@ class Scheduler:
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            remote = self._remote_prefill(request)
-            # A remote prefill gets blocks for its whole prompt at once: all but its last token are read.
-            num_new = request.num_tokens - num_cached
-            if not remote:
-                num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, cached, cache=not remote):
+            num_external = self.connector.get_num_new_matched_tokens(request, num_cached)
+            num_computed = num_cached + num_external
+            num_new = min(request.num_tokens - num_computed, budget)
+            # Blocks a connector fills are not findable by others until the load is made (``load_kv``).
+            if not self.kv.allocate(request, num_external + num_new, cached, cache=not num_external):
                 if self._evict_held():
                     continue
                 break  # FCFS: nobody overtakes the head of the queue (but requests for a LoRA slot)
             self.waiting.popleft()
             if lora_id:
                 loras.add(lora_id)
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if remote:
-                num_new = self._plan_remote_load(out, request, len(cached), budget)
+            if num_external:
+                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id),
+                                                        num_cached, num_external)
+                out.kv_loads.append((request, num_cached))
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    # ---- prefill/decode disaggregation (server/core/kv_connector.py) ---------------------------------
+    # ---- the KV connectors (server/core/kv_connector.py) --------------------------------------------
 
-    def _remote_prefill(self, request: Request) -> bool:
-        """Whether the request's prompt is to be read from a prefill engine (its first admission only). Not
-        under a sliding window (its early blocks are never allocated here): the prefill engine is told at
-        once that it may free them, and the prompt is computed here."""
-        if self.connector is None or not isinstance(request.kv_transfer, RemotePrefill):
-            return False
-        if self.kv.sliding_window is None:
-            return True
-        self.connector.release(request.kv_transfer)
-        request.kv_transfer = None
-        return False
-
-    def _plan_remote_load(self, out: SchedulerOutput, request: Request, num_local_blocks: int,
-                          budget: int) -> int:
-        """Plan the read of an admitted remote prefill; the tokens it computes this step: its last prompt
-        token, or (when the prefill engine's blocks do not fit its prompt) a first chunk of its prompt."""
-        assert self.connector is not None and isinstance(request.kv_transfer, RemotePrefill)
-        source, request.kv_transfer = request.kv_transfer, None  # one try: a preempted request recomputes
-        self.connector.queries += request.num_prompt_tokens
-        block_ids = self.kv.block_ids(request.request_id)
-        load = self.connector.plan_load(request, source, num_local_blocks, block_ids)
-        if load is None:
-            self.connector.release(source)
-            return min(request.num_tokens - request.num_computed_tokens, budget)
-        out.kv_loads.append(load)
-        request.num_computed_tokens = request.num_tokens - 1
-        return 1
-
-    def load_remote_kv(self, plan: SchedulerOutput, read: Callable[[RemoteLoad], int]) -> None:
-        """Make the plan's reads (``read``: the executor's, returning the bytes read) before it runs. A
-        request whose read fails leaves this step and computes its prompt from its own cached prefix in the
-        next ones (a colocated run); one whose read succeeds has its prompt's blocks findable as cached."""
-        assert self.connector is not None
-        for load in plan.kv_loads:
-            request, start = load.request, time.perf_counter()
-            try:
-                if not self.connector.acquire(load):
-                    raise RuntimeError("the prefill engine no longer holds the blocks")
-                result: int | Exception = read(load)
-            except Exception as exc:
-                logger.warning("reading request %s's KV from %s failed (%s): computing its prompt here",
-                               request.request_id, load.source.side_channel, exc)
-                result = exc
-            self.connector.loaded(load, result, time.perf_counter() - start)
-            if isinstance(result, Exception):
-                request.num_computed_tokens = load.num_local_tokens
+    def load_kv(self, plan: SchedulerOutput, run: Callable[[ConnectorMetadata], ConnectorResults]) -> None:
+        """Make the plan's connector transfers (``run``: the executor's, every rank's workers) before it
+        runs. A request whose load failed leaves this step and computes its prompt from its own cached
+        prefix in the next ones; one whose load was made has its blocks findable as cached."""
+        results = run(plan.connector_meta) if plan.connector_meta else {}
+        failed = self.connector.update_connector_output(results)
+        for request, num_local_tokens in plan.kv_loads:
+            if request.request_id in failed:
+                request.num_computed_tokens = num_local_tokens
                 plan.scheduled = [item for item in plan.scheduled if item.request is not request]
             else:
                 self.kv.cache_blocks(request)
-        plan.kv_loads = []
+        plan.connector_meta, plan.kv_loads = {}, []
 
     def free_released_kv(self) -> None:
-        """Free the held blocks of finished prefills that their decode engines read (or never will)."""
-        if self.connector is not None:
-            for blocks in self.connector.take_freeable():
-                self.kv.release(blocks)
+        """Free the blocks connectors kept for peers that are done with them (or never came)."""
+        for blocks in self.connector.take_freeable():
+            self.kv.release(blocks)
 
     def _evict_held(self) -> bool:
-        """Free the oldest finished prefill's held blocks that no decode engine is reading, for a request
-        that does not fit; False when there are none."""
-        blocks = self.connector.evict_oldest() if self.connector is not None else None
+        """Free the oldest blocks a connector keeps that no peer is reading, for a request that does not
+        fit; False when there are none."""
+        blocks = self.connector.evict_held()
         if blocks is None:
             return False
         self.kv.release(blocks)
         return True
 
-    def _hold_for_decode(self, request: Request, status: RequestStatus) -> bool:
-        """Keep a finished prefill's blocks for its decode engine (``kv_transfer_params`` tells it where);
-        False when they are freed as usual (no connector, not a prefill, aborted, or the window took some)."""
-        if self.connector is None or not isinstance(request.kv_transfer, RemoteDecode):
-            return False
-        if status is RequestStatus.FINISHED_ABORTED or (blocks := self.kv.detach(request)) is None:
-            return False
-        request.kv_transfer_params = self.connector.hold(request, blocks)
-        return True
+    def _free_or_keep(self, request: Request, status: RequestStatus) -> None:
+        """Return a finished request's blocks, unless a connector keeps them for a peer engine (its
+        response then carries the ``kv_transfer_params`` saying where they are). Not an aborted one's, nor
+        blocks the sliding window already replaced."""
+        if status is not RequestStatus.FINISHED_ABORTED and self.connector.connectors and (
+            (blocks := self.kv.detach(request)) is not None
+        ):
+            request.kv_transfer_params = self.connector.request_finished(request, blocks)
+            if request.kv_transfer_params is None:
+                self.kv.release(blocks)
+            return
+        self.kv.free(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -310,13 +274,19 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if not (known and self._hold_for_decode(request, status)):
+        if known:
+            self._free_or_keep(request, status)
+        else:
             self.kv.free(request)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: the device pool's and those the connectors could load."""
+        self.kv.reset_prefix_cache()
+        self.connector.reset_cache()
+
     def close(self) -> None:
-        """Stop the connector's side channel (its port is free again)."""
-        if self.connector is not None:
-            self.connector.close()
+        """Stop what the connectors run beside the engine (a side channel's port is free again)."""
+        self.connector.close()
 
     def abort(self, request_ids: list[str]) -> None:
         """Finish these requests (those still known) and return their blocks now."""
@@ -367,7 +337,10 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, 1, num_in_flight=1))
         if not out.scheduled:
             return None
-        out.kv_transfers = self.kv.take_transfers()
+        # Nothing to transfer: only running requests decode, and the CPU KV tier (whose evictions store)
+        # turns async scheduling off (server/executor/executor.py).
+        out.connector_meta = self.connector.build_connector_meta()
+        assert not out.connector_meta, "a step scheduled ahead cannot wait for KV transfers"
         self.num_steps_ahead += 1
         return out
 

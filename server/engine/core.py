@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pagedserve.server.config import EngineConfig
 from pagedserve.server.core.kv_cache_manager import KVCacheManager, uniform_sliding_window
-from pagedserve.server.core.kv_connector import KVConnector
+from pagedserve.server.core.kv_connector import KVConnector, MultiConnector
 from pagedserve.server.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.server.engine.core_output import EngineCoreOutput, EngineStats, core_output
 from pagedserve.server.engine.core_stats import engine_stats
@@ -46,15 +46,15 @@ class EngineCore:
         if config.served_model_name is None:
             config.served_model_name = config.model or DEFAULT_SERVED_NAME
         self.executor = executor = Executor(config)
+        connector = MultiConnector([])
         self.kv = KVCacheManager(
             executor.num_blocks, config.block_size, config.enable_prefix_caching,
             hash_seed=f"{executor.model_path}:{executor.dtype}",
             sliding_window=uniform_sliding_window(executor.model.sliding_windows()),
-            enable_kv_events=config.enable_kv_events, num_host_blocks=executor.num_host_blocks,
+            enable_kv_events=config.enable_kv_events, on_evict=connector.on_block_evicted,
         )
+        connector.connectors = self._kv_connectors()
         max_loras = config.max_loras if executor.lora is not None else 0
-        transfer = config.kv_transfer_config  # prefill/decode disaggregation (server/core/kv_connector.py)
-        connector = KVConnector(transfer, executor.kv_layouts, config.block_size) if transfer else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.batched_tokens, max_loras,
                                    config.max_model_len or 0, connector)
         self._check_unloaded = False  # an adapter was unloaded: fail the requests still waiting for it
@@ -63,6 +63,21 @@ class EngineCore:
         self.async_scheduling = executor.async_scheduling
         self.in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not yet read back
         self.stalled = False  # the last step ran nothing: every request waits (for blocks held for peers)
+
+    def _kv_connectors(self) -> list[KVConnector]:
+        """The scheduler's side of each KV connector the config asks for (server/core/kv_connector.py), in
+        the order they are asked for a request's tokens; their workers are the executor's, by name."""
+        from pagedserve.server.core.mooncake_connector import MooncakeConnector
+        from pagedserve.server.core.offloading_connector import OffloadingConnector
+
+        config, connectors = self.config, list[KVConnector]()
+        if config.kv_transfer_config is not None:  # prefill/decode disaggregation
+            connectors.append(MooncakeConnector(config.kv_transfer_config, self.executor.kv_layouts,
+                                                config.block_size, self.kv.sliding_window))
+        if self.executor.num_host_blocks:  # the CPU KV tier (the executor sized it: 0 without caching)
+            connectors.append(OffloadingConnector(self.executor.num_host_blocks, config.block_size,
+                                                  self.kv.full_block_hashes))
+        return connectors
 
     @property
     def model_path(self) -> Path:
@@ -149,10 +164,9 @@ class EngineCore:
             return self._finish(plan, launched)  # the device runs the step ahead meanwhile
         plan = self.scheduler.schedule()
         self.stalled = plan.empty and not plan.kv_loads
-        if plan.kv_loads:  # prompts computed by a prefill engine: their KV is read before the step runs
-            self.scheduler.load_remote_kv(plan, self.executor.read_remote_kv)
+        if plan.connector_meta or plan.kv_loads:  # KV loaded (and stored) by the connectors' workers first
+            self._guarded(plan, lambda: self.scheduler.load_kv(plan, self.executor.run_kv_connectors))
         if plan.empty:
-            self.executor.copy_kv_blocks(plan)
             return []
         launched = self._launch(plan, None)
         if self.async_scheduling and self.scheduler.can_run_ahead(plan):
@@ -197,8 +211,8 @@ class EngineCore:
         request_ids = [r.request_id for r in requests]
         self.abort_requests(request_ids)
         # Blocks registered for this step may hold half-written K/V (and host blocks half-copied ones):
-        # forget every cached prefix, in both tiers.
-        self.kv.reset_prefix_cache()
+        # forget every cached prefix, the connectors' too.
+        self.scheduler.reset_prefix_cache()
         return StepError(request_ids, exc)
 
     def stats(self) -> EngineStats:

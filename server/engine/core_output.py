@@ -28,8 +28,8 @@ class LoRAStats:
 
 @dataclass
 class KVOffloadStats:
-    """The host KV tier's (server/core/host_tier.py), for vLLM's external prefix cache and KV offload
-    metrics (server/api/metrics.py)."""
+    """The CPU KV tier's (server/core/offloading_connector.py), for vLLM's external prefix cache and KV
+    offload metrics (server/api/metrics.py)."""
 
     num_cpu_blocks: int
     cpu_cache_usage: float  # host blocks holding a block hash, of all
@@ -41,7 +41,7 @@ class KVOffloadStats:
 
 @dataclass
 class KVTransferStats:
-    """Prefill/decode disaggregation's (server/core/kv_connector.py), for /metrics."""
+    """Prefill/decode disaggregation's (server/core/mooncake_connector.py), for /metrics."""
 
     queries: int  # prompt tokens of requests that came with a remote prefill
     hits: int  # prompt tokens read from a prefill engine instead of computed
@@ -88,7 +88,7 @@ class EngineCoreOutput:
     # on a thread may have moved on by the time the front end reads it)
     token_time: float | None = None
     pooled: list[float] | None = None  # a pooling request's vector, with its finish (server/worker/pooler.py)
-    # A finished prefill's, for its decode engine (server/core/kv_connector.py), with its finish
+    # A finished prefill's, for its decode engine (server/core/mooncake_connector.py), with its finish
     kv_transfer_params: dict | None = None
 
 

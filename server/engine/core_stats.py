@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedserve.server.core.kv_connector import KVConnector
+from pagedserve.server.core.mooncake_connector import MooncakeConnector
+from pagedserve.server.core.offloading_connector import OffloadingConnector
 from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.engine.core_output import EngineStats, KVOffloadStats, KVTransferStats, LoRAStats
 from pagedserve.server.executor.executor import Executor
@@ -15,13 +16,15 @@ from pagedserve.server.spec_decode.metrics import SpecDecodingStats
 
 def engine_stats(scheduler: Scheduler, executor: Executor, spec: SpecDecodingStats | None) -> EngineStats:
     kv = scheduler.kv
+    mooncake = scheduler.connector.find(MooncakeConnector)
+    offloading = scheduler.connector.find(OffloadingConnector)
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         kv_cache_usage=kv.usage(),
         prefix_cache_queries=kv.prefix_queries,
         prefix_cache_hits=kv.prefix_hits,
-        kv_offload=_kv_offload_stats(scheduler, executor.block_bytes),
+        kv_offload=_kv_offload_stats(offloading, executor.block_bytes) if offloading is not None else None,
         num_preemptions=scheduler.num_preemptions,
         prompt_tokens=scheduler.prompt_tokens,
         generation_tokens=scheduler.generation_tokens,
@@ -29,15 +32,15 @@ def engine_stats(scheduler: Scheduler, executor: Executor, spec: SpecDecodingSta
         block_size=kv.block_size,
         spec_decoding=spec.snapshot() if spec is not None else None,
         lora=_lora_stats(scheduler, executor.config.max_loras) if executor.lora is not None else None,
-        kv_transfer=_kv_transfer_stats(scheduler.connector) if scheduler.connector is not None else None,
+        kv_transfer=_kv_transfer_stats(mooncake) if mooncake is not None else None,
     )
 
 
-def _kv_transfer_stats(connector: KVConnector) -> KVTransferStats:
+def _kv_transfer_stats(connector: MooncakeConnector) -> KVTransferStats:
     return KVTransferStats(
         queries=connector.queries, hits=connector.hits, bytes_received=connector.bytes_received,
         transfer_seconds=connector.transfer_seconds, num_transfers=connector.num_transfers,
-        num_failed=connector.num_failed, num_held_requests=len(connector.held),
+        num_failed=connector.num_failed, num_held_requests=connector.num_held_requests,
         num_expired=connector.num_expired,
     )
 
@@ -51,18 +54,15 @@ def _lora_stats(scheduler: Scheduler, max_loras: int) -> LoRAStats:
     )
 
 
-def _kv_offload_stats(scheduler: Scheduler, block_bytes: int) -> KVOffloadStats | None:
-    kv = scheduler.kv
-    host = kv.host
-    if host is None:
-        return None
+def _kv_offload_stats(connector: OffloadingConnector, block_bytes: int) -> KVOffloadStats:
+    tier = connector.tier
     return KVOffloadStats(
-        num_cpu_blocks=host.num_blocks,
-        cpu_cache_usage=host.usage(),
-        queries=kv.tier_queries,
-        hits=kv.tier_hits,
-        store_bytes=host.num_stored * block_bytes,
-        load_bytes=host.num_loaded * block_bytes,
+        num_cpu_blocks=tier.num_blocks,
+        cpu_cache_usage=tier.usage(),
+        queries=connector.queries,
+        hits=connector.hits,
+        store_bytes=tier.num_stored * block_bytes,
+        load_bytes=tier.num_loaded * block_bytes,
     )
 
 

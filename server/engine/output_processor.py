@@ -57,7 +57,7 @@ class RequestState:
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
     inter_token_latencies: list[float] = field(default_factory=list)  # not yet in an output
     pooled: list[float] | None = None  # a pooling request's vector
-    kv_transfer_params: dict | None = None  # a finished prefill's (server/core/kv_connector.py)
+    kv_transfer_params: dict | None = None  # a finished prefill's (server/core/mooncake_connector.py)
 
     @property
     def finished(self) -> bool:

@@ -26,13 +26,13 @@ from pagedserve.server.worker.model_runner import LaunchedStep, ModelRunner
 
 if TYPE_CHECKING:
     from pagedserve.server.backend import Backend
-    from pagedserve.server.core.kv_connector import RemoteLoad
+    from pagedserve.server.core.kv_connector import ConnectorMetadata, ConnectorResults
     from pagedserve.server.executor.tp_driver import TPDriver
     from pagedserve.server.executor.tp_worker import WorkerSpec
-    from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent
     from pagedserve.server.kv_transfer_params import KVLayout
     from pagedserve.server.lora.manager import LoRAManager
     from pagedserve.server.lora.peft import AdapterWeights
+    from pagedserve.server.worker.kv_connector_workers import KVConnectorWorker
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -160,26 +160,29 @@ class Executor:
             calculate_kv_scales=config.calculate_kv_scales,
             lora=self.lora,
             ranks=self.ranks,
-            num_host_blocks=self.num_host_blocks,
             draft_model=self.draft_model,
         )
-        self._start_kv_transfer()
+        self.kv_workers = self._kv_connector_workers()
 
-    def _start_kv_transfer(self) -> None:
-        """Prefill/decode disaggregation's worker side: the KV cache registered with the transfer engine,
-        whose layout a prefill engine publishes and into which a decode engine reads (server/kv_transfer/)."""
-        self.kv_agent: KVTransferAgent | None = None
-        self.kv_layouts: tuple[KVLayout, ...] = ()  # every rank's, in rank order
-        transfer = self.config.kv_transfer_config
-        if transfer is None:
-            return
-        from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent, kv_caches
+    def _kv_connector_workers(self) -> dict[str, KVConnectorWorker]:
+        """Rank 0's worker of each KV connector (server/worker/kv_connector_workers.py), by name; the other
+        ranks make theirs (server/executor/tp_worker.py). Under prefill/decode disaggregation every rank
+        registers its cache with a transfer engine, and ``kv_layouts`` holds each rank's, in rank order:
+        what a prefill engine publishes and what a decode engine reads by."""
+        from pagedserve.server.worker.kv_connector_workers import MooncakeWorker, OffloadingWorker
 
-        if self.ranks is not None:
-            self.ranks.start_kv_transfer(transfer.kv_ip)
-        self.kv_agent = KVTransferAgent(transfer.kv_ip)
-        own = self.kv_agent.register(kv_caches(self.model))
-        self.kv_layouts = tuple(self.ranks.gather(own)) if self.ranks is not None else (own,)
+        workers: dict[str, KVConnectorWorker] = {}
+        self.kv_layouts: tuple[KVLayout, ...] = ()
+        if self.num_host_blocks:
+            workers[OffloadingWorker.name] = OffloadingWorker(self.model, self.num_host_blocks,
+                                                              self.kv_cache_dtype, self.device)
+        if (transfer := self.config.kv_transfer_config) is not None:
+            if self.ranks is not None:
+                self.ranks.start_kv_transfer(transfer.kv_ip)
+            mooncake = workers[MooncakeWorker.name] = MooncakeWorker(self.model, transfer.kv_ip, rank=0)
+            layouts = self.ranks.gather(mooncake.layout) if self.ranks is not None else [mooncake.layout]
+            self.kv_layouts = tuple(layouts)
+        return workers
 
     def _kv_layers(self) -> list[torch.nn.Module]:
         """Every attention layer with a cache of the shared blocks: the target's, then the drafter's (so a
@@ -292,30 +295,18 @@ class Executor:
                previous: LaunchedStep | None = None) -> LaunchedStep:
         """The step queued on the device, its tokens read back later by ``LaunchedStep.result``;
         ``previous``: the step still in flight, whose tokens feed this one's rows with ``num_in_flight``."""
-        return self.runner.launch(plan.scheduled, block_ids, active_loras, plan.kv_transfers, previous)
+        return self.runner.launch(plan.scheduled, block_ids, active_loras, previous)
 
-    def read_remote_kv(self, load: RemoteLoad) -> int:
-        """A decode request's prompt blocks, read from its prefill engine's cache, each rank from the prefill
-        engine's rank of its number; the bytes read. RuntimeError (the caller computes the prompt instead)
-        when a rank's read failed, ValueError when the engines are split differently."""
-        from pagedserve.server.kv_transfer.mooncake_agent import RemoteRead
+    def run_kv_connectors(self, metadata: ConnectorMetadata) -> ConnectorResults:
+        """A step's KV connector transfers, made by every rank's workers before the step runs; each
+        connector's results, one per rank in rank order (server/core/kv_connector.py reads them)."""
+        from pagedserve.server.worker.kv_connector_workers import start_load_kv
 
-        assert self.kv_agent is not None, "no kv_transfer_config"
-        if len(load.source.layouts) != len(self.kv_layouts):
-            raise ValueError(f"the prefill engine has {len(load.source.layouts)} ranks, this one "
-                             f"{len(self.kv_layouts)}: both must split the model alike")
-        read = RemoteRead(load.source.layouts, load.remote_blocks, load.local_blocks)
         if self.ranks is not None:
-            self.ranks.read_kv(read)
-        own = self.kv_agent.read(read, rank=0)
-        results = self.ranks.gather(own) if self.ranks is not None else [own]
-        if errors := [result for result in results if isinstance(result, str)]:
-            raise RuntimeError("; ".join(errors))
-        return sum(results)
-
-    def copy_kv_blocks(self, plan: SchedulerOutput) -> None:
-        """A step that runs nothing still applies its host-tier copies (none in practice)."""
-        self.runner.copy_kv_blocks(plan.kv_transfers)
+            self.ranks.start_load_kv(metadata)
+        own = start_load_kv(self.kv_workers, metadata)
+        answers = self.ranks.gather(own) if self.ranks is not None else [own]
+        return {name: [answer[name] for answer in answers] for name in metadata}
 
     def check_alive(self) -> None:
         """RankDiedError (an EngineDeadError) once another rank has died."""

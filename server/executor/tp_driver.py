@@ -99,10 +99,6 @@ class TPDriver:
         self._send(Command("logits", shape=tuple(hidden.shape), dtype=hidden.dtype))
         broadcast_tensor(hidden.contiguous(), self.tp)
 
-    def copy_kv(self, transfers: Any) -> None:
-        """The other ranks make host-tier copies outside a forward pass (rank 0 is about to)."""
-        self._send(Command("copy_kv", inputs=transfers))
-
     def kv_budget(self, model: torch.nn.Module, request: KVBudgetRequest) -> int:
         self._send(Command("kv_budget", inputs=request))
         return kv_budget(model, request)
@@ -114,9 +110,10 @@ class TPDriver:
         """The other ranks register their caches with transfer engines on ``host``; ``gather`` follows."""
         self._send(Command("kv_transfer", inputs=host))
 
-    def read_kv(self, read: Any) -> None:
-        """The other ranks read their part of a prefill engine's blocks; ``gather`` follows."""
-        self._send(Command("read_kv", inputs=read))
+    def start_load_kv(self, metadata: Any) -> None:
+        """The other ranks' KV connector workers make their part of a step's transfers (rank 0 is about to);
+        ``gather`` follows, with each rank's results."""
+        self._send(Command("kv_connectors", inputs=metadata))
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's answer to the last command, rank 0's ``value`` first."""

@@ -167,6 +167,12 @@ def run_worker(rank: int, spec: WorkerSpec) -> None:
 def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel, stage: PipelineStage) -> None:
     from pagedserve.server.backend import select_backend
     from pagedserve.server.loader import load_model
+    from pagedserve.server.worker.kv_connector_workers import (
+        KVConnectorWorker,
+        MooncakeWorker,
+        OffloadingWorker,
+        start_load_kv,
+    )
     from pagedserve.server.worker.model_runner import ModelRunner
 
     device = rank_device(spec, rank)
@@ -175,7 +181,7 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel, stage: PipelineStage
                           runner=spec.runner, load_format=spec.load_format)
     logger.info("%s of %d loaded its shard on %s", spec.describe(rank), spec.size, device)
     runner: ModelRunner | None = None
-    agent = None  # prefill/decode disaggregation's transfer engine (server/kv_transfer/mooncake_agent.py)
+    kv_workers: dict[str, KVConnectorWorker] = {}  # this rank's KV connector workers, by connector name
     while True:
         command = receive_command()
         if command.kind == "stop":
@@ -189,26 +195,23 @@ def _serve(rank: int, spec: WorkerSpec, tp: TensorParallel, stage: PipelineStage
             assert command.shape is not None and command.dtype is not None
             hidden = broadcast_tensor(torch.empty(command.shape, dtype=command.dtype, device=device), tp)
             model.compute_logits(hidden)
-        elif command.kind == "copy_kv":
-            assert runner is not None, "host-tier copies before the KV cache was set up"
-            runner.copy_kv_shard(command.inputs)
         elif command.kind == "kv_budget":
             kv_budget(model, command.inputs)
         elif command.kind == "kv_transfer":
-            from pagedserve.server.kv_transfer.mooncake_agent import KVTransferAgent, kv_caches
-
-            agent = KVTransferAgent(command.inputs)
-            dist.all_gather_object([None] * spec.size, agent.register(kv_caches(model)))
-        elif command.kind == "read_kv":
-            assert agent is not None, "a KV read before the transfer engine started"
-            dist.all_gather_object([None] * spec.size, agent.read(command.inputs, rank))
+            mooncake = kv_workers[MooncakeWorker.name] = MooncakeWorker(model, command.inputs, rank)
+            dist.all_gather_object([None] * spec.size, mooncake.layout)
+        elif command.kind == "kv_connectors":
+            dist.all_gather_object([None] * spec.size, start_load_kv(kv_workers, command.inputs))
         elif command.kind == "setup":
             setup: RunnerSetup = command.inputs
             layer = model.attention_layers()[0]
             runner = ModelRunner(
                 model, backend, setup.num_blocks, setup.block_size, layer.num_kv_heads, layer.head_dim,
                 spec.kv_cache_dtype, device, max_num_seqs=setup.max_num_seqs,
-                max_model_len=setup.max_model_len, enforce_eager=True, num_host_blocks=setup.num_host_blocks,
+                max_model_len=setup.max_model_len, enforce_eager=True,
             )
+            if setup.num_host_blocks:
+                kv_workers[OffloadingWorker.name] = OffloadingWorker(model, setup.num_host_blocks,
+                                                                     spec.kv_cache_dtype, device)
         else:
             raise ValueError(f"unknown command {command.kind!r}")

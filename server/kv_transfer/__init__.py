@@ -5,5 +5,6 @@ that computed its prompt to the engine that decodes it (vLLM's KV connector, ``-
 engine acquire a prefill engine's held blocks before reading them and release them after. The settings
 (server/kv_transfer_config.py) and the ``kv_transfer_params`` the API carries between the two engines
 (server/kv_transfer_params.py) sit in the engine's shared layer; the scheduler side (which blocks to hold,
-which to read) is server/core/kv_connector.py.
+which to read) is server/core/mooncake_connector.py, the worker that drives the agent on each rank
+server/worker/kv_connector_workers.py.
 """

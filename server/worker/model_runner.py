@@ -10,11 +10,11 @@ each attending to the cache up to itself: the same decode kernel over the same b
 drafts, so the target's logits at each position are bit for bit those it would compute one token at a
 time (a prefill chunk sums in another order, which quantized activations amplify into other greedy
 tokens); server/spec_decode/rejection_sampler.py keeps the drafts the target agrees with.
-With a host KV tier the runner owns its tensors (each layer's K and V, the cache's shape and dtype, in
-pinned memory beside a GPU) and applies the step's ``KVTransfers`` before the forward pass
-(server/core/host_tier.py decides them). With a draft model (server/spec_decode/draft_model.py) the
-runner first fills the step's pending drafts with it, then mirrors the target's forward pass over the
-drafter's own layers (its KV in the same slots), and hands its draw distributions to the verifier.
+KV moved by connectors (the CPU KV tier, prefill/decode disaggregation) is not the runner's: their workers
+(server/worker/kv_connector_workers.py) make a step's transfers before it is launched. With a draft model
+(server/spec_decode/draft_model.py) the runner first fills the step's pending drafts with it, then mirrors
+the target's forward pass over the drafter's own layers (its KV in the same slots), and hands its draw
+distributions to the verifier.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Protocol
 import numpy as np
 import torch
 from pagedserve.server.backend import Backend
-from pagedserve.server.core.host_tier import KVTransfers
 from pagedserve.server.core.scheduler import ScheduledRequest
 from pagedserve.server.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedserve.server.lora.manager import LoRAManager
@@ -56,8 +55,6 @@ class OtherRanks(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> None: ...
 
-    def copy_kv(self, transfers: KVTransfers) -> None: ...
-
 
 @dataclass
 class ModelInputs:
@@ -67,7 +64,6 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    kv_transfers: KVTransfers | None = None  # the host tier's copies (server/core/host_tier.py), made first
     # The rows' embeddings when some rows are image features (server/multimodal.py); else None, and the
     # model embeds input_ids itself
     inputs_embeds: torch.Tensor | None = None
@@ -143,7 +139,6 @@ class ModelRunner:
         calculate_kv_scales: bool = False,
         lora: LoRAManager | None = None,
         ranks: OtherRanks | None = None,
-        num_host_blocks: int = 0,
         draft_model: nn.Module | None = None,
     ) -> None:
         """``dtype``: the KV cache's (``EngineConfig.torch_kv_cache_dtype``), which may be FP8 while the
@@ -152,8 +147,7 @@ class ModelRunner:
         must not set them. ``lora``: the adapters' slots (server/lora/manager.py); the runner sets the
         step's token -> slot mapping, and the engine runs such a model without CUDA graphs. ``ranks``:
         the other tensor-parallel ranks (server/executor/tp_driver.py), told of every model call first;
-        None on one rank.
-        ``num_host_blocks``: the host KV tier's blocks on this rank (0: none). ``draft_model``: the
+        None on one rank. ``draft_model``: the
         speculative drafter, given a cache of the same blocks (server/spec_decode/draft_model.py)."""
         if model.backend is not backend:  # its layers run model.backend's kernels, graphs or not
             raise ValueError(f"the model was built for the {model.backend.name} backend, not {backend.name}")
@@ -165,7 +159,6 @@ class ModelRunner:
         self.block_table = BlockTable(max_num_seqs, -(-max_model_len // block_size), device,
                                       None if device.type == "cpu" else self._to_device)
         allocate_kv_caches(model.attention_layers(), num_blocks, block_size, dtype, device)
-        self.host_caches = self._host_caches(num_host_blocks, (block_size, num_kv_heads, head_dim), dtype)
         self.drafter: DraftModel | None = None
         if draft_model is not None:
             self.drafter = DraftModel(draft_model, num_blocks, block_size, dtype, device)
@@ -179,47 +172,6 @@ class ModelRunner:
         for layer in model.attention_layers():
             layer.calculate_kv_scales = calculate_kv_scales
 
-    def _host_caches(self, num_blocks: int, block_shape: tuple[int, ...],
-                     dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each attention layer's host K and V blocks: the device cache's per-rank block shape and dtype
-        (an FP8 cache's bytes are kept as they are). Pinned beside a GPU, so copies run at DMA speed."""
-        if not num_blocks:
-            return []
-        pin = self.device.type == "cuda"
-        shape = (num_blocks, *block_shape)
-        return [
-            (torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, pin_memory=pin))
-            for _ in self.model.attention_layers()
-        ]
-
-    def copy_kv_blocks(self, transfers: KVTransfers) -> None:
-        """Host-tier copies outside a forward pass (a step that runs nothing), on every rank: a step's own
-        copies travel in its ``ModelInputs`` instead, made by ``run_model``."""
-        if not transfers:
-            return
-        if self.ranks is not None:
-            self.ranks.copy_kv(transfers)
-        self.copy_kv_shard(transfers)
-
-    @torch.inference_mode()
-    def copy_kv_shard(self, transfers: KVTransfers) -> None:
-        """The host-tier copies of this rank's shard of the blocks, in every layer: stores (device ->
-        host) first, for a stored block may be a reused one this step's loads or forward overwrite. The
-        bytes are copied raw (uint8 views), whatever the cache's dtype."""
-        layers = self.model.attention_layers()
-        if transfers.stores:
-            device_ids = self._to_device(torch.tensor([d for d, _ in transfers.stores], dtype=torch.long))
-            host_ids = torch.tensor([h for _, h in transfers.stores], dtype=torch.long)
-            for layer, host in zip(layers, self.host_caches, strict=True):
-                for cache, host_cache in zip((layer.k_cache, layer.v_cache), host, strict=True):
-                    _raw(host_cache)[host_ids] = _raw(cache).index_select(0, device_ids).cpu()
-        if transfers.loads:
-            host_ids = torch.tensor([h for h, _ in transfers.loads], dtype=torch.long)
-            device_ids = self._to_device(torch.tensor([d for _, d in transfers.loads], dtype=torch.long))
-            for layer, host in zip(layers, self.host_caches, strict=True):
-                for cache, host_cache in zip((layer.k_cache, layer.v_cache), host, strict=True):
-                    _raw(cache)[device_ids] = self._to_device(_raw(host_cache).index_select(0, host_ids))
-
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
@@ -232,20 +184,18 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         block_ids: dict[str, list[int]],
         active_loras: set[int] | None = None,
-        kv_transfers: KVTransfers | None = None,
         previous: LaunchedStep | None = None,
     ) -> LaunchedStep:
         """One forward pass and its sampling, queued; ``LaunchedStep.result`` reads back each sampled
         request's new tokens (one, or the accepted drafts and one more), or the exception its row alone
         raised. ``active_loras``: the adapters of every running request, whose device slots this step must
-        not take. ``kv_transfers``: the host tier's copies, made first. ``previous``: the step still in
+        not take. ``previous``: the step still in
         flight, whose sampled tokens are the inputs of this step's rows with ``num_in_flight``."""
         draft_probs = self._draft(scheduled, block_ids) if self.drafter is not None else {}
         inputs = self.prepare(scheduled, block_ids, previous)
         if inputs.image_rows:
             inputs.model.inputs_embeds = self._merge_images(inputs.model.input_ids, inputs.image_rows)
         inputs.draft_probs = draft_probs
-        inputs.model.kv_transfers = kv_transfers
         if self.lora is not None:
             self._set_lora_mapping(inputs.ordered, active_loras or set())
         if self.ranks is not None:
@@ -271,10 +221,7 @@ class ModelRunner:
         return launched
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
-        """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others),
-        after the step's host-tier copies of this rank's shard of the blocks."""
-        if inputs.kv_transfers:
-            self.copy_kv_shard(inputs.kv_transfers)
+        """This rank's forward pass over a step (every rank runs it, rank 0 after telling the others)."""
         if self.graphs is not None and inputs.inputs_embeds is None and self.graphs.fits(inputs.meta):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.inputs_embeds)
@@ -498,6 +445,3 @@ def _adapter_of(item: ScheduledRequest) -> int:
     return item.request.lora_int_id
 
 
-def _raw(cache: torch.Tensor) -> torch.Tensor:
-    """The cache's bytes (its last dimension in bytes): copies that need no dtype support."""
-    return cache.view(torch.uint8)

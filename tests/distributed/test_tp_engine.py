@@ -133,9 +133,9 @@ def test_each_rank_reads_only_its_pieces_of_the_checkpoint(llama_kv2: Path) -> N
 
 
 def test_two_ranks_with_the_host_kv_tier_equal_one(llama_kv2: Path) -> None:
-    """The host tier's copies travel with the step's model inputs, so each rank stores and loads its own
-    shard of a block: with a device pool too small for the prefixes, prefix hits come from the tier and
-    the tokens and logprobs equal one rank's with a roomy pool."""
+    """The host tier's copies go to every rank's connector worker before the step, so each rank stores and
+    loads its own shard of a block: with a device pool too small for the prefixes, prefix hits come from
+    the tier and the tokens and logprobs equal one rank's with a roomy pool."""
     prompts = _prompts(seed=11)
     one = _run(LLM(str(llama_kv2), **ENGINE), prompts)
     # One rank's shard of a block: 2 layers x K and V x 8 tokens x 1 KV head x head_dim 8 x 4 bytes.
@@ -143,13 +143,15 @@ def test_two_ranks_with_the_host_kv_tier_equal_one(llama_kv2: Path) -> None:
     llm = LLM(str(llama_kv2), tensor_parallel_size=2, **tiny_pool)
     try:
         core = llm.engine.core
-        assert core.executor.num_blocks == 10 and core.executor.runner.host_caches
+        assert core.executor.num_blocks == 10 and core.executor.kv_workers["offloading"].host_caches
         two = _run(llm, prompts)
         tier = core.stats().kv_offload
         assert tier is not None and tier.hits > 0 and tier.load_bytes > 0, tier
-        # Copies outside a forward pass (a step that runs nothing) reach the other rank too, which stays
-        # in lock step: the next generate's collectives would fail on a rank that died of the command.
-        core.executor.runner.copy_kv_blocks(KVTransfers(stores=[(0, 0)], loads=[(0, 0)]))
+        # Copies in a step that runs nothing reach the other rank too, which stays in lock step: the next
+        # generate's collectives would fail on a rank that died of the command.
+        copies = KVTransfers(stores=[(0, 0)], loads=[(0, 0)])
+        results = core.executor.run_kv_connectors({"offloading": copies})
+        assert results == {"offloading": [None, None]}
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))
         core.executor.check_alive()
     finally:

@@ -1,7 +1,8 @@
 """The CPU KV tier (issue 21, vLLM's --kv-offloading-size): the torch-free bookkeeping
-(server/core/host_tier.py and the KV manager), then the engine on the embedded model with a device pool
-too small for the workload's shared prefixes: the same greedy tokens as recompute, hits from the tier,
-fewer tokens computed, exact K/V after a round trip, and no leaked blocks."""
+(server/core/host_tier.py; server/core/offloading_connector.py, the KV manager's connector), then the
+engine on the embedded model with a device pool too small for the workload's shared prefixes: the same
+greedy tokens as recompute, hits from the tier, fewer tokens computed, exact K/V after a round trip, and
+no leaked blocks."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 import pytest
 import torch
 from pagedserve.server.config import GIB, EngineConfig
-from pagedserve.server.core.host_tier import HostHit, HostTier, KVTransfers
+from pagedserve.server.core.host_tier import HostTier, KVTransfers
 from pagedserve.server.core.kv_cache_manager import KVCacheManager
+from pagedserve.server.core.kv_connector import MultiConnector
 from pagedserve.server.core.kv_events import BlockStored
+from pagedserve.server.core.offloading_connector import OffloadingConnector
+from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.outputs import RequestMetrics
 from pagedserve.server.request import Request
 from pagedserve.server.sampling_params import SamplingParams
@@ -29,16 +33,31 @@ def make_request(request_id: str, tokens: list[int]) -> Request:
                    eos_token_ids=frozenset(), metrics=RequestMetrics(0.0))  # fmt: skip
 
 
-def admit(kv: KVCacheManager, request: Request) -> list:
-    """Schedule the whole prompt as the scheduler does; the hits it was given."""
-    cached = kv.find_cached_prefix(request)
-    assert kv.allocate(request, request.num_tokens - len(cached) * BLOCK, cached)
-    request.num_computed_tokens = request.num_tokens
-    return cached
+class Tiered:
+    """A KV manager with the CPU tier as its connector, admitting requests as the scheduler does
+    (server/core/scheduler.py ``_schedule_waiting`` and ``load_kv``)."""
 
+    def __init__(self, num_blocks: int, num_host_blocks: int, **kw: Any) -> None:
+        self.tier = OffloadingConnector(num_host_blocks, BLOCK, lambda r: self.kv.full_block_hashes(r))
+        self.kv = KVCacheManager(num_blocks, BLOCK, True, hash_seed="m", on_evict=self.tier.on_block_evicted,
+                                 **kw)
+        self.host = self.tier.tier
 
-def manager(num_blocks: int, num_host_blocks: int, **kw: Any) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BLOCK, True, hash_seed="m", num_host_blocks=num_host_blocks, **kw)
+    def admit(self, request: Request) -> tuple[list, int] | None:
+        """Schedule the whole prompt; its device hits and the tokens loaded from the tier (None: no room)."""
+        cached = self.kv.find_cached_prefix(request)
+        num_local = len(cached) * BLOCK
+        num_external = self.tier.get_num_new_matched_tokens(request, num_local)
+        if not self.kv.allocate(request, request.num_tokens - num_local, cached, cache=not num_external):
+            return None
+        self.tier.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_local,
+                                           num_external)
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_blocks(request)
+        return cached, num_external
+
+    def take_transfers(self) -> KVTransfers:
+        return self.tier.build_connector_meta() or KVTransfers()
 
 
 # ---------------------------------------------------------------------------------- the host tier alone
@@ -75,112 +94,113 @@ def test_reset_forgets_everything() -> None:
     assert not tier.slots and not tier.transfers and sorted(tier.free) == [0, 1, 2]
 
 
-# ------------------------------------------------------------------------------------ the KV manager
+# ------------------------------------------------------------------- the tier as the KV manager's connector
 def test_evicted_prefix_is_stored_then_loaded_back() -> None:
-    kv = manager(4, 8)
+    t = Tiered(4, 8)
     first = make_request("a", list(range(9)))  # 2 full blocks + 1 token: 3 blocks
-    admit(kv, first)
-    kv.free(first)
-    assert not kv.take_transfers()  # nothing evicted yet
+    t.admit(first)
+    t.kv.free(first)
+    assert not t.take_transfers()  # nothing evicted yet
     other = make_request("b", list(range(100, 116)))  # 4 blocks: evicts a's two cached blocks
-    admit(kv, other)
-    stores = kv.take_transfers().stores
-    assert len(stores) == 2 and len(kv.host.slots) == 2
-    kv.free(other)
+    t.admit(other)
+    stores = t.take_transfers().stores
+    assert len(stores) == 2 and len(t.host.slots) == 2
+    t.kv.free(other)
     again = make_request("c", [*range(9), 50])
-    hits = kv.find_cached_prefix(again)
-    assert all(isinstance(hit, HostHit) for hit in hits) and len(hits) == 2
-    assert kv.tier_hits == 0  # counted once the loads are planned
-    kv.allocate(again, again.num_tokens - 2 * BLOCK, hits)
-    loads = kv.take_transfers().loads
-    device = kv.block_ids("c")[:2]
+    assert t.kv.find_cached_prefix(again) == []
+    assert t.tier.get_num_new_matched_tokens(again, 0) == 2 * BLOCK
+    assert t.tier.hits == 0  # counted once the loads are planned
+    assert t.admit(again) == ([], 2 * BLOCK)
+    loads = t.take_transfers().loads
+    device = t.kv.block_ids("c")[:2]
     assert [d for _, d in loads] == device
     # Each block's own host copy comes back (the pool evicted, so stored, the tail first).
-    assert [h for h, _ in loads] == [kv.host.slots[h] for h in kv.req_hashes["c"][:2]]
+    assert [h for h, _ in loads] == [t.host.slots[h] for h in t.kv.req_hashes["c"][:2]]
     assert sorted(h for h, _ in loads) == sorted(h for _, h in stores)
-    assert kv.tier_hits == 2 * BLOCK and kv.prefix_hits == 0
-    assert [kv.pool.lookup(h).block_id for h in kv.req_hashes["c"][:2]] == device  # device-cached again
+    assert t.tier.hits == 2 * BLOCK and t.kv.prefix_hits == 0
+    assert [t.kv.pool.lookup(h).block_id for h in t.kv.req_hashes["c"][:2]] == device  # device-cached again
 
 
 def test_device_hits_then_host_hits_and_the_last_token_computed() -> None:
-    kv = manager(6, 8)
+    t = Tiered(6, 8)
     prompt = list(range(12))  # 3 full blocks
     first = make_request("a", [*prompt, 99])  # 4 blocks
-    admit(kv, first)
-    kv.free(first)
-    kv.take_transfers()
+    t.admit(first)
+    t.kv.free(first)
+    t.take_transfers()
     # The pool evicts the least recently freed first; a request frees its tail first, so the head stays.
     filler = make_request("f", list(range(200, 220)))  # 5 blocks: 2 never used, a's partial one, a's 3rd, 2nd
-    admit(kv, filler)
-    assert len(kv.take_transfers().stores) == 2
-    hits = kv.find_cached_prefix(make_request("b", prompt))  # exactly 3 blocks: the last is computed
-    assert [type(h).__name__ for h in hits] == ["Block", "HostHit"]
+    t.admit(filler)
+    assert len(t.take_transfers().stores) == 2
+    t.kv.free(filler)
+    cached, num_external = t.admit(make_request("b", prompt))  # exactly 3 blocks: the last is computed
+    assert len(cached) == 1 and num_external == BLOCK
 
 
 def test_a_failed_allocation_plans_no_copy_and_leaks_nothing() -> None:
-    kv = manager(3, 4)
+    t = Tiered(3, 4)
     first = make_request("a", list(range(9)))
-    admit(kv, first)
-    kv.free(first)
+    t.admit(first)
+    t.kv.free(first)
     hog = make_request("hog", list(range(100, 112)))  # all 3 blocks: a's are stored
-    admit(kv, hog)
-    kv.take_transfers()
+    t.admit(hog)
+    t.take_transfers()
     again = make_request("b", [*range(8), 7])
-    hits = kv.find_cached_prefix(again)
-    assert len(hits) == 2
-    assert not kv.allocate(again, 1, hits)  # no free device block for the loads
-    assert not kv.take_transfers() and kv.blocks_of("b") == [] and kv.tier_hits == 0
-    kv.free(hog)
-    assert kv.allocate(again, 1, kv.find_cached_prefix(again))
-    assert len(kv.take_transfers().loads) == 2
-    kv.free(again)
-    assert kv.pool.num_free_blocks == kv.pool.num_blocks and not kv.host.busy
+    assert t.admit(again) is None  # no free device block for the loads
+    assert not t.take_transfers() and t.kv.blocks_of("b") == [] and t.tier.hits == 0
+    t.kv.free(hog)
+    assert t.admit(again) == ([], 2 * BLOCK)
+    assert len(t.take_transfers().loads) == 2
+    t.kv.free(again)
+    assert t.kv.pool.num_free_blocks == t.kv.pool.num_blocks and not t.host.busy
 
 
 def test_loaded_blocks_are_stored_events_again() -> None:
-    kv = manager(3, 4, enable_kv_events=True)
+    t = Tiered(3, 4, enable_kv_events=True)
     first = make_request("a", list(range(9)))
-    admit(kv, first)
-    kv.free(first)
+    t.admit(first)
+    t.kv.free(first)
     hog = make_request("hog", list(range(100, 112)))
-    admit(kv, hog)
-    kv.free(hog)
-    kv.pool.take_events()
-    admit(kv, make_request("b", [*range(8), 7]))
-    stored = [e for e in kv.pool.take_events() if isinstance(e, BlockStored)]
-    assert stored and stored[0].block_hashes == kv.req_hashes["b"][:2]
+    t.admit(hog)
+    t.kv.free(hog)
+    t.kv.pool.take_events()
+    t.admit(make_request("b", [*range(8), 7]))
+    stored = [e for e in t.kv.pool.take_events() if isinstance(e, BlockStored)]
+    assert stored and stored[0].block_hashes == t.kv.req_hashes["b"][:2]
 
 
-def test_sliding_window_loads_only_the_blocks_in_the_window() -> None:
-    kv = manager(6, 8, sliding_window=8)  # the null block takes one
+def test_sliding_window_loads_the_prefix_then_frees_what_falls_behind() -> None:
+    t = Tiered(6, 8, sliding_window=8)  # the null block takes one
     prompt = list(range(16))
     first = make_request("a", [*prompt, 1])
-    admit(kv, first)
-    kv.free(first)
+    t.admit(first)
+    t.kv.free(first)
     hog = make_request("hog", list(range(100, 120)))  # 5 blocks: every cached block of a goes to host
-    admit(kv, hog)
-    kv.free(hog)
-    kv.take_transfers()
+    t.admit(hog)
+    t.kv.free(hog)
+    t.take_transfers()
     again = make_request("b", [*prompt, 2])
-    hits = kv.find_cached_prefix(again)
-    assert len(hits) == 4 and hits[:2] == [kv.null_block] * 2
-    kv.allocate(again, 1, hits)
-    assert len(kv.take_transfers().loads) == 2  # blocks 2 and 3 only: 0 and 1 are behind the window
+    assert t.admit(again) == ([], 4 * BLOCK)
+    # vLLM's rule: a connector's tokens continue the device's hits, so all four blocks come back; the two
+    # behind the window of the next token go back to the pool at its next allocation.
+    assert len(t.take_transfers().loads) == 4
+    assert t.kv.allocate(again, 1)
+    assert t.kv.block_ids("b")[:2] == [t.kv.null_block.block_id] * 2
 
 
 def test_reset_prefix_cache_clears_both_tiers() -> None:
-    kv = manager(3, 4)
+    t = Tiered(3, 4)
+    scheduler = Scheduler(t.kv, 4, 64, connector=MultiConnector([t.tier]))
     first = make_request("a", list(range(9)))
-    admit(kv, first)
-    kv.free(first)
-    admit(kv, make_request("hog", list(range(100, 112))))
-    assert kv.host.slots
-    kv.reset_prefix_cache()
-    assert not kv.host.slots and not kv.pool.cached
+    t.admit(first)
+    t.kv.free(first)
+    t.admit(make_request("hog", list(range(100, 112))))
+    assert t.host.slots
+    scheduler.reset_prefix_cache()
+    assert not t.host.slots and not t.kv.pool.cached
 
 
 def test_prefix_caching_off_means_no_tier() -> None:
-    assert KVCacheManager(4, BLOCK, False, hash_seed="m", num_host_blocks=8).host is None
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_backend"):
@@ -265,11 +285,17 @@ def computed_tokens(tier_llm: LLM) -> Iterator[list[int]]:
     runner.launch = original  # type: ignore[method-assign]
 
 
+def tier_of(llm: LLM) -> OffloadingConnector:
+    tier = llm.engine.core.scheduler.connector.find(OffloadingConnector)
+    assert tier is not None
+    return tier
+
+
 def assert_no_leak(llm: LLM) -> None:
     """The engine's check (pagedserve/testing/leaks.py), and the host tier's: nothing pinned or moving."""
     assert_engine_clean(llm.engine)
-    host = llm.engine.core.kv.host
-    assert host is not None and not host.busy and not host.transfers
+    host = tier_of(llm).tier
+    assert not host.busy and not host.transfers
     assert len(host.slots) <= host.num_blocks and len(set(host.slots.values())) == len(host.slots)
 
 
@@ -282,7 +308,7 @@ def test_greedy_tokens_equal_recompute_with_hits_from_the_tier(
     roomy = LLM(model_path, device="cpu", max_model_len=256)  # everything stays on the device
     assert run_one_by_one(roomy, prompts) == expected
     core = tier_llm.engine.core
-    core.kv.reset_prefix_cache()
+    core.scheduler.reset_prefix_cache()
     device_hits = core.stats().prefix_cache_hits
     before = core.stats().kv_offload
     assert run_one_by_one(tier_llm, prompts) == expected
@@ -320,15 +346,16 @@ def test_a_round_trip_brings_back_the_exact_bytes(
 
     original = [block_kv(h) for h in hashes]
     run_one_by_one(llm, [[*p, 5, 6] for p in prefixes[1:]])  # pushes prefix 0 out to the host
-    assert all(core.kv.pool.lookup(h) is None and h in core.kv.host for h in hashes)
-    loaded_before = core.kv.host.num_loaded
+    host = tier_of(llm).tier
+    assert all(core.kv.pool.lookup(h) is None and h in host for h in hashes)
+    loaded_before = host.num_loaded
     run_one_by_one(llm, [[*prefixes[0], 7]])
-    assert core.kv.host.num_loaded - loaded_before == len(hashes)
+    assert host.num_loaded - loaded_before == len(hashes)
     for block_hash, want in zip(hashes, original, strict=True):
         got = block_kv(block_hash)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    for layer, (host_k, _) in zip(layers, core.executor.runner.host_caches, strict=True):
+    for layer, (host_k, _) in zip(layers, core.executor.kv_workers["offloading"].host_caches, strict=True):
         assert host_k.dtype == layer.k_cache.dtype and host_k.shape[1:] == layer.k_cache.shape[1:]
     assert_no_leak(llm)
 
@@ -356,7 +383,7 @@ def test_aborts_and_preemption_leave_no_block_behind(
         engine.step()
     core = engine.core
     assert core.scheduler.num_preemptions > 0  # 4 x (6 + 4) blocks do not fit in 24
-    assert core.kv.tier_hits > 0
+    assert tier_of(llm).hits > 0
     assert_no_leak(llm)
     recompute = make_llm(model_path, tier=False, max_num_seqs=4)
     prompts = [{"prompt_token_ids": [*p, 9, i]} for i, p in enumerate(prefixes[:4])]
@@ -372,5 +399,5 @@ def test_speculative_decoding_with_the_tier(model_path: str, prefixes: list[list
     want = run_one_by_one(make_llm(model_path, tier=False), prompts)
     llm = make_llm(model_path, tier=True, speculative_config=spec)
     assert run_one_by_one(llm, prompts) == want
-    assert llm.engine.core.kv.tier_hits > 0
+    assert tier_of(llm).hits > 0
     assert_no_leak(llm)

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 from pagedserve.server.config import EngineConfig
+from pagedserve.server.core.mooncake_connector import MooncakeConnector
+from pagedserve.server.core.scheduler import Scheduler
 from pagedserve.server.exceptions import InvalidRequestError
 from pagedserve.server.kv_transfer_config import KVTransferConfig
 from pagedserve.server.sampling_params import SamplingParams
@@ -28,6 +30,12 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-no
 HOLD_SECONDS = 5.0
 ENGINE = {"kv_cache_memory_bytes": 48 << 20}
 BLOCK = 16
+
+
+def mooncake_of(scheduler: Scheduler) -> MooncakeConnector:
+    connector = scheduler.connector.find(MooncakeConnector)
+    assert connector is not None
+    return connector
 
 
 def connector(role: str) -> str:
@@ -87,10 +95,10 @@ def wait_released(prefill: LLM, timeout: float = 10.0) -> None:
     """The prefill engine frees what its reader released (offline, nothing steps it: free by hand)."""
     scheduler = prefill.engine.core.scheduler
     deadline = time.monotonic() + timeout
-    while scheduler.connector.held and time.monotonic() < deadline:
+    while mooncake_of(scheduler).held and time.monotonic() < deadline:
         time.sleep(0.05)
         scheduler.free_released_kv()
-    assert not scheduler.connector.held, "the prefill engine still holds blocks its reader released"
+    assert not mooncake_of(scheduler).held, "the prefill engine still holds blocks its reader released"
 
 
 def test_decode_engine_continues_from_the_read_prompt(prefill: LLM, decode: LLM, colocated: LLM) -> None:
@@ -102,7 +110,8 @@ def test_decode_engine_continues_from_the_read_prompt(prefill: LLM, decode: LLM,
     assert tokens == colocated_tokens(colocated, prompts, max_tokens=12)
     after = decode.engine.stats()
     transfer = after.kv_transfer
-    assert transfer is not None and transfer.num_failed == 0 and transfer.num_transfers == len(prompts)
+    # A one-token prompt has nothing to read: its prefill engine is told at once to free its block.
+    assert transfer is not None and transfer.num_failed == 0 and transfer.num_transfers == len(prompts) - 1
     read = transfer.hits - before.kv_transfer.hits
     assert read == sum(n - 1 for n in lengths)  # every prompt token but the last came from the prefill engine
     computed = (after.prompt_tokens - before.prompt_tokens) - read - (
@@ -140,6 +149,58 @@ def test_a_failed_read_computes_the_prompt_on_the_decode_engine(prefill: LLM, de
     assert_no_leak(decode.engine)
 
 
+def test_the_cpu_tier_and_the_transfer_connector_run_together(model_path: str, prefill: LLM,
+                                                             colocated: LLM) -> None:
+    """Both connectors in one engine (server/core/kv_connector.py MultiConnector): a remote prefill's
+    prompt is read from the prefill engine, and a prefix the small device pool lost comes back from the
+    CPU tier, each counted by its own connector, with the colocated engine's tokens."""
+    block_bytes = colocated.engine.core.executor.block_bytes
+    decode = LLM(model_path, kv_transfer_config=connector("kv_consumer"), num_gpu_blocks_override=12,
+                 kv_offloading_size=32 * block_bytes / (1 << 30), max_model_len=8 * BLOCK)
+    try:
+        names = [c.name for c in decode.engine.core.scheduler.connector.connectors]
+        assert names == ["mooncake", "offloading"]
+        shared = prompt_of(decode, 5 * BLOCK, seed=110)
+        first, second = [*shared, 11, 12], [*shared, 21, 22, 23]
+        assert decoded(decode, [first], prefill_params(prefill, [first]), 4) == \
+            colocated_tokens(colocated, [first], 4)
+        filler = [prompt_of(decode, 6 * BLOCK, seed=111 + i) for i in range(2)]  # push shared out
+        decode.generate([{"prompt_token_ids": p} for p in filler], greedy(2))
+        before = decode.engine.stats()
+        assert colocated_tokens(decode, [second], 4) == colocated_tokens(colocated, [second], 4)
+        after = decode.engine.stats()
+        assert after.kv_offload.hits - before.kv_offload.hits == 5 * BLOCK  # the tier's, not recomputed
+        assert after.kv_transfer.num_transfers == 1 and after.kv_transfer.num_failed == 0
+        wait_released(prefill)
+        assert_no_leak(decode.engine)
+    finally:
+        decode.shutdown()
+
+
+def test_an_fp8_cache_moves_as_it_is(model_path: str) -> None:
+    """FP8 K/V blocks are read byte for byte: the pair's greedy tokens equal one FP8 engine's, and the bytes
+    read are the blocks' FP8 bytes (one per element)."""
+    fp8 = {**ENGINE, "kv_cache_dtype": "fp8"}
+    engines = [LLM(model_path, kv_transfer_config=connector(role), **fp8)
+               for role in ("kv_producer", "kv_consumer")]
+    prefill, decode = engines
+    try:
+        alone = LLM(model_path, **fp8)
+        prompts = [prompt_of(decode, n, seed=120 + n) for n in (3 * BLOCK + 2, 4 * BLOCK)]
+        want = colocated_tokens(alone, prompts, 8)
+        assert decoded(decode, prompts, prefill_params(prefill, prompts), 8) == want
+        transfer = decode.engine.stats().kv_transfer
+        blocks = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)
+        block_bytes = decode.engine.core.executor.block_bytes
+        assert transfer.num_failed == 0 and transfer.bytes_received == blocks * block_bytes
+        assert decode.engine.core.executor.kv_cache_dtype.itemsize == 1
+        wait_released(prefill)
+        assert_no_leak(decode.engine)
+    finally:
+        for llm in engines:
+            llm.shutdown()
+
+
 def test_params_of_another_prompt_are_not_read(prefill: LLM, decode: LLM, colocated: LLM) -> None:
     prompt = prompt_of(decode, 2 * BLOCK, seed=60)
     (params,) = prefill_params(prefill, [prompt_of(decode, 2 * BLOCK + 1, seed=61)])
@@ -155,11 +216,11 @@ def test_blocks_no_decode_engine_reads_are_freed_when_their_hold_ends(prefill: L
     prompt = prompt_of(prefill, 40, seed=70)
     (params,) = prefill_params(prefill, [prompt])
     scheduler = prefill.engine.core.scheduler
-    assert len(scheduler.connector.held) == 1
-    expired = scheduler.connector.num_expired
+    assert len(mooncake_of(scheduler).held) == 1
+    expired = mooncake_of(scheduler).num_expired
     time.sleep(HOLD_SECONDS + 0.2)
     scheduler.free_released_kv()
-    assert scheduler.connector.num_expired == expired + 1
+    assert mooncake_of(scheduler).num_expired == expired + 1
     assert_no_leak(prefill.engine)
     # A late decode engine is told the blocks are gone (they may be reused): it computes the prompt
     before = decode.engine.stats().kv_transfer
@@ -172,12 +233,12 @@ def test_held_blocks_make_room_for_new_requests(prefill: LLM) -> None:
     """More prefills than the pool holds, none read: the oldest holds are given up (their readers would
     be told so and compute), never a request refused or stalled."""
     core = prefill.engine.core
-    expired = core.scheduler.connector.num_expired
+    expired = mooncake_of(core.scheduler).num_expired
     prompts = [prompt_of(prefill, 15 * BLOCK, seed=90 + i) for i in range(8)]
     assert core.kv.pool.num_blocks < 8 * 15
     assert all(p is not None for p in prefill_params(prefill, prompts))
-    held = core.scheduler.connector.held
-    assert core.scheduler.connector.num_expired - expired == 8 - len(held) > 0
+    held = mooncake_of(core.scheduler).held
+    assert mooncake_of(core.scheduler).num_expired - expired == 8 - len(held) > 0
     for request_id in list(held):  # released as a decode engine would
         core.kv.release(held.pop(request_id).blocks)
     assert_no_leak(prefill.engine)
@@ -189,8 +250,8 @@ def test_an_aborted_or_stopped_prefill_holds_nothing_beyond_its_answer(prefill: 
                                greedy(3, kv_transfer_params={"do_remote_decode": True}))
     assert outputs[0].kv_transfer_params["remote_num_tokens"] == 20
     scheduler = prefill.engine.core.scheduler
-    for request_id in list(scheduler.connector.held):  # released as a decode engine would
-        scheduler.kv.release(scheduler.connector.held.pop(request_id).blocks)
+    for request_id in list(mooncake_of(scheduler).held):  # released as a decode engine would
+        scheduler.kv.release(mooncake_of(scheduler).held.pop(request_id).blocks)
     assert_no_leak(prefill.engine)
 
 

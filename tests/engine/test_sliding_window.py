@@ -95,7 +95,7 @@ def test_prefix_hit_needs_only_the_blocks_inside_its_window():
     kv = KVCacheManager(16, BLOCK, enable_caching=True, hash_seed="m", sliding_window=WINDOW)
     prompt = list(range(100, 120))  # 5 full blocks
     fill_cache(kv, prompt)
-    hashes = kv._full_block_hashes(make_request("x", prompt))
+    hashes = kv.full_block_hashes(make_request("x", prompt))
     for block_hash in hashes[:2]:  # the oldest blocks evicted: no longer findable
         kv.pool._evict(kv.pool.lookup(block_hash))
 
@@ -115,7 +115,7 @@ def test_prefix_hit_stops_where_a_needed_block_is_missing():
     kv = KVCacheManager(16, BLOCK, enable_caching=True, hash_seed="m", sliding_window=WINDOW)
     prompt = list(range(100, 120))
     fill_cache(kv, prompt)
-    hashes = kv._full_block_hashes(make_request("x", prompt))
+    hashes = kv.full_block_hashes(make_request("x", prompt))
     kv.pool._evict(kv.pool.lookup(hashes[3]))  # block 3 gone: hits ending at blocks 4 or 5 lack it
     request = make_request("b", [*prompt, 1])
     hits = kv.find_cached_prefix(request)
