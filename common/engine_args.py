@@ -176,7 +176,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = arg(
         help="KV cache budget in bytes (e.g. 2G, 512MiB)", metavar="BYTES", parse=human_bytes, gt=0
     )
-    # vLLM's CPU KV offloading, all ranks together (server/core/host_tier.py); --kv-offload-bytes in bytes.
+    # vLLM's CPU KV offloading, all ranks together (server/core/offloading_connector.py); --kv-offload-bytes
+    # in bytes.
     kv_offloading_size: float | None = arg(
         help="a CPU (host memory) KV tier of this many GiB behind the device pool: blocks evicted from the "
         "device go there, and prefix hits there are copied back instead of recomputed (vLLM's flag)",
@@ -226,12 +227,14 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (server/speculative_config.py)',
         metavar="JSON", parse=str,
     )  # fmt: skip
-    # Prefill/decode disaggregation (server/kv_transfer_config.py parses and checks it).
+    # Prefill/decode disaggregation, or the CPU KV tier's other spelling (server/kv_transfer_config.py parses
+    # and checks it; server/config.py turns the tier's into kv_offloading_size).
     kv_transfer_config: Any = arg(
         help='the KV connector of prefill/decode disaggregation, vLLM\'s keys: e.g. \'{"kv_connector": '
         '"MooncakeConnector", "kv_role": "kv_both", "kv_ip": "10.0.0.5", "kv_port": 14579}\' '
         '(server/kv_transfer_config.py); requests then carry kv_transfer_params (`pagedserve router '
-        '--strategy pd`)',
+        '--strategy pd`). vLLM\'s "OffloadingConnector" with kv_connector_extra_config.cpu_bytes_to_use is '
+        'the CPU KV tier, as --kv-offloading-size',
         metavar="JSON", parse=str,
     )  # fmt: skip
     # Each a method of server/layers/quantization/; None: the checkpoint's own format, resolved by

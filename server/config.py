@@ -33,6 +33,7 @@ class EngineConfig(EngineArgs):
     served_model_names: list[str] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self._offloading_from_transfer_config()
         super().__post_init__()
         if isinstance(self.served_model_name, (list, tuple)):
             self.served_model_names = list(self.served_model_name) or None
@@ -122,6 +123,18 @@ class EngineConfig(EngineArgs):
         if self.torch_device.type == "cuda" and local_ranks > torch.cuda.device_count():
             raise ValueError(f"{split} needs {local_ranks} GPUs on each of {self.nnodes} nodes, "
                              f"{torch.cuda.device_count()} are visible")
+
+    def _offloading_from_transfer_config(self) -> None:
+        """vLLM's OffloadingConnector spelling of the CPU KV tier becomes ``kv_offloading_size`` before the
+        settings are checked together, so the tier has one setting (server/kv_transfer_config.py)."""
+        transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        if transfer is None or not transfer.offloads:
+            return
+        if self.kv_offloading_size is not None:
+            raise ValueError("the CPU KV tier is asked for twice: kv_offloading_size and an "
+                             "OffloadingConnector kv_transfer_config; give one")
+        self.kv_offloading_size = transfer.kv_connector_extra_config["cpu_bytes_to_use"] / GIB
+        self.kv_transfer_config = None
 
     def _check_draft_model(self) -> None:
         """A draft model's cache follows the target's blocks on one rank and in the device pool only."""

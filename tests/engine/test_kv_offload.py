@@ -6,6 +6,7 @@ no leaked blocks."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -224,6 +225,31 @@ def test_server_flags_reach_the_engine_config() -> None:
     assert engine_config(parser.parse_args([])).kv_offload_bytes == 0
     with pytest.raises(SystemExit):  # one size, in GiB or in bytes
         parser.parse_args(["--kv-offloading-size", "1", "--kv-offload-bytes", "1G"])
+
+
+def offloading_connector(**extra: Any) -> str:
+    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": extra})
+
+
+def test_vllm_offloading_connector_spelling_is_the_same_tier() -> None:
+    import argparse
+
+    from pagedserve.server.api.cli import add_arguments, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = engine_config(parser.parse_args(
+        ["--kv-transfer-config", offloading_connector(cpu_bytes_to_use=512 << 20)]))
+    assert config.kv_offload_bytes == 512 << 20 and config.kv_offloading_backend == "native"
+    assert config.kv_transfer_config is None  # no prefill/decode connector: the tier's setting alone
+    with pytest.raises(ValueError, match="cpu_bytes_to_use"):
+        EngineConfig(kv_transfer_config=offloading_connector(num_cpu_blocks=10))
+    one_gib = offloading_connector(cpu_bytes_to_use=GIB)
+    with pytest.raises(ValueError, match="asked for twice"):
+        EngineConfig(kv_offloading_size=1.0, kv_transfer_config=one_gib)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(kv_transfer_config=one_gib, enable_prefix_caching=False)
 
 
 # ------------------------------------------------------------------------------- the engine, end to end
