@@ -198,8 +198,8 @@ class Scheduler:
             if lora_id:
                 loras.add(lora_id)
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
+            if request.num_cached_tokens < 0:  # as vLLM counts them: a connector's tokens too
+                request.num_cached_tokens = num_computed
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
@@ -223,6 +223,7 @@ class Scheduler:
         for request, num_local_tokens in plan.kv_loads:
             if request.request_id in failed:
                 request.num_computed_tokens = num_local_tokens
+                request.num_cached_tokens = min(request.num_cached_tokens, num_local_tokens)
                 plan.scheduled = [item for item in plan.scheduled if item.request is not request]
             else:
                 self.kv.cache_blocks(request)

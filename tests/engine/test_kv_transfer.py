@@ -201,6 +201,19 @@ def test_an_fp8_cache_moves_as_it_is(model_path: str) -> None:
             llm.shutdown()
 
 
+def test_cached_tokens_count_what_was_read(prefill: LLM, decode: LLM) -> None:
+    """vLLM's num_cached_tokens (usage's cached_tokens) counts a connector's tokens: a read prompt's all but
+    its last; a read that failed, none."""
+    prompts = [prompt_of(decode, 2 * BLOCK + 3, seed=130), prompt_of(decode, 2 * BLOCK + 3, seed=131)]
+    read, lost = prefill_params(prefill, prompts)
+    lost = {**lost, "remote_ranks": [{**lost["remote_ranks"][0], "session": "127.0.0.1:1"}]}
+    outputs = decode.generate([{"prompt_token_ids": p} for p in prompts],
+                              [greedy(2, kv_transfer_params=params) for params in (read, lost)])
+    assert [o.num_cached_tokens for o in outputs] == [len(prompts[0]) - 1, 0]
+    wait_released(prefill)
+    assert_no_leak(decode.engine)
+
+
 def test_params_of_another_prompt_are_not_read(prefill: LLM, decode: LLM, colocated: LLM) -> None:
     prompt = prompt_of(decode, 2 * BLOCK, seed=60)
     (params,) = prefill_params(prefill, [prompt_of(decode, 2 * BLOCK + 1, seed=61)])
